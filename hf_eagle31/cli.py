@@ -1,0 +1,29 @@
+"""The `hf-eagle31` command. Each subcommand lives in its own module, imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing `configure_parser(parser)` and `run(args) -> int | None`
+SUBCOMMANDS: dict[str, str] = {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-eagle31", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.configure_parser(sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0]))
+    args = parser.parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command])
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no stack trace
+        print(f"hf-eagle31 {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

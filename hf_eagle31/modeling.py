@@ -1,0 +1,237 @@
+"""The EAGLE-3 / EAGLE 3.1 drafter: one draft step, nothing about decoding.
+
+Given token ids shifted one ahead of the features (position t pairs the target's feature at t with
+token t+1), one forward of the drafter predicts the token after each position:
+
+    g = fc(concat(norm_a(g_low), norm_b(g_mid), norm_c(g_high)))   # width 3*H_t -> H; norms only in 3.1
+    h = g + attention(concat(input_layernorm(embed(x)), hidden_norm(g)))
+    h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                                       # over the draft vocabulary
+    feedback = norm(h) if norm_output else h                        # 3.1 feeds back the post-norm state
+
+Module names follow the EAGLE reference checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`),
+so those load without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from transformers.utils import ModelOutput
+
+from hf_eagle31.configuration import Eagle3Config
+from hf_eagle31.kernels.tree_attention import tree_attention
+
+
+@dataclass
+class Eagle3DraftOutput(ModelOutput):
+    """`logits` over the draft vocabulary; `hidden_states` is the state to feed to the next draft step."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v projections read the concatenated `[embedding, feature]` (width 2H)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        q_width = config.num_attention_heads * self.head_dim
+        kv_width = config.num_key_value_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(2 * config.hidden_size, q_width, bias=bias)
+        self.k_proj = nn.Linear(2 * config.hidden_size, kv_width, bias=bias)
+        self.v_proj = nn.Linear(2 * config.hidden_size, kv_width, bias=bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None,
+        tail_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, length = hidden_states.shape[:2]
+        shape = (batch, length, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, 0)
+        out = tree_attention(query, key, value, tail_mask, self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The single decoder layer; the residual stream is the projected target feature, not the embedding."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None,
+        tail_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        normed = self.hidden_norm(features)
+        residual = normed if self.norm_before_residual else features
+        attn_in = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        hidden = residual + self.self_attn(attn_in, position_embeddings, past_key_values, tail_mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3DraftModel(PreTrainedModel):
+    """An EAGLE-3 drafter (both 3.1 switches off) or an EAGLE 3.1 drafter (`fc_norm`, `norm_output`)."""
+
+    config_class = Eagle3Config
+    base_model_prefix = "eagle3"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Eagle3DecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        target_width = config.target_hidden_size
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+            if config.include_embedding
+            else None
+        )
+        self.fc_norm = (
+            nn.ModuleList(LlamaRMSNorm(target_width, eps=config.rms_norm_eps) for _ in range(3))
+            if config.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(3 * target_width, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self._target_embedding: list[nn.Embedding] = []  # a plain list: shared, never registered or saved
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if module is self:  # identity vocabulary map until a real one is loaded or built
+            self.d2t.zero_()
+            self.t2d.zero_()
+            self.t2d[: self.config.draft_vocab_size] = True
+
+    # --- the target's embedding -------------------------------------------------------------
+
+    def set_target_embedding(self, embedding: nn.Embedding) -> None:
+        """Use the target's input embedding by reference; drop the checkpoint's own copy to save memory."""
+        rows, width = embedding.weight.shape
+        if rows < self.config.vocab_size or width != self.config.hidden_size:
+            raise ValueError(
+                f"The target's input embedding is {rows} x {width}, but this drafter expects a vocabulary of "
+                f"{self.config.vocab_size} tokens of width {self.config.hidden_size}."
+            )
+        self._target_embedding[:] = [embedding]
+        if self.embed_tokens is not None:
+            self.embed_tokens = None
+            self.config.include_embedding = False
+
+    def get_input_embeddings(self) -> nn.Embedding | None:
+        if self._target_embedding:
+            return self._target_embedding[0]
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.set_target_embedding(value)
+
+    # --- vocabulary maps --------------------------------------------------------------------
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids (`target = draft + d2t[draft]`)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def expand_to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocabulary logits into a full target-vocabulary tensor, -inf outside the draft vocab."""
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        index = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=draft_logits.device))
+        return full.index_copy_(-1, index, draft_logits)
+
+    # --- one draft step ---------------------------------------------------------------------
+
+    def project_target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Fuse the three captured target states (concatenated, width 3*H_t) into one drafter state."""
+        if self.fc_norm is not None:
+            parts = features.chunk(3, dim=-1)
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(features)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        tail_mask: torch.Tensor | None = None,
+    ) -> Eagle3DraftOutput:
+        """One draft step for a block of positions.
+
+        Args:
+            input_ids: `[batch, n]` target-vocabulary ids, one ahead of `hidden_states`.
+            hidden_states: `[batch, n, 3 * target_hidden_size]` captured target features, or
+                `[batch, n, hidden_size]` states fed back from a previous draft step.
+            position_ids: `[batch, n]`; defaults to continuing after the cache.
+            past_key_values: the drafter's own cache (a transformers `Cache`), updated in place.
+            tail_mask: `[n, m]` bool visibility of the last `m` cache entries (see `tree_attention`);
+                `None` is causal.
+        """
+        width = hidden_states.shape[-1]
+        if width == 3 * self.config.target_hidden_size:
+            hidden_states = self.project_target_features(hidden_states)
+        elif width != self.config.hidden_size:
+            raise ValueError(
+                f"hidden_states has width {width}; expected 3 x target_hidden_size = "
+                f"{3 * self.config.target_hidden_size} (captured target features) or hidden_size = "
+                f"{self.config.hidden_size} (fed-back drafter states)."
+            )
+        embedding = self.get_input_embeddings()
+        if embedding is None:
+            raise ValueError(
+                "This drafter has no input embedding: its checkpoint shares the target's. Call "
+                "`drafter.set_target_embedding(target.get_input_embeddings())` first (generate() does this)."
+            )
+        if position_ids is None:
+            start = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+        embeds = embedding(input_ids).to(hidden_states.dtype)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden = self.midlayer(embeds, hidden_states, position_embeddings, past_key_values, tail_mask)
+        normed = self.norm(hidden)
+        return Eagle3DraftOutput(
+            logits=self.lm_head(normed),
+            hidden_states=normed if self.config.norm_output else hidden,
+            past_key_values=past_key_values,
+        )
+
+
+__all__ = ["Eagle3DraftModel", "Eagle3DraftOutput"]

@@ -1,0 +1,60 @@
+"""Attention of a block of new tokens against a KV cache whose tail is masked by an explicit boolean mask.
+
+One function covers every attention pattern speculative decoding needs:
+  * causal prefill or a plain decode step (the tail mask is lower-triangular),
+  * tree verification (the tail is the tree block, the mask says which nodes are ancestors),
+  * tree drafting (the tail holds every tree level drafted so far).
+Keys before the tail are visible to every query, so no dense `(prefix + n)^2` mask is ever built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def tree_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tail_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The torch oracle for the Triton kernel, and the CPU path.
+
+    Args:
+        query: `[batch, q_heads, n, head_dim]`, the new tokens.
+        key, value: `[batch, kv_heads, S, head_dim]`, the cache including the new tokens' entries.
+            `q_heads` must be a multiple of `kv_heads` (grouped-query attention).
+        tail_mask: `[n, m]` bool, True where query `i` may attend to key `S - m + j`. Keys before
+            `S - m` are visible to all queries. `None` means causal over the last `n` keys.
+        scale: softmax scale, `head_dim ** -0.5` by default.
+
+    Returns:
+        `[batch, q_heads, n, head_dim]`.
+    """
+    n, kv_len = query.shape[-2], key.shape[-2]
+    if tail_mask is None:
+        tail_mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    prefix = kv_len - tail_mask.shape[-1]
+    if prefix < 0:
+        raise ValueError(f"tail_mask covers {tail_mask.shape[-1]} keys but the cache holds only {kv_len}.")
+    mask = torch.cat([tail_mask.new_ones(n, prefix), tail_mask.to(query.device)], dim=-1)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tail_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere. Same contract as the reference."""
+    if query.is_cuda:
+        from .tree_attention_triton import tree_attention_triton
+
+        return tree_attention_triton(query, key, value, tail_mask, scale)
+    return tree_attention_reference(query, key, value, tail_mask, scale)
