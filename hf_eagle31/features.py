@@ -1,0 +1,32 @@
+"""Capture the target's hidden states at `target_layer_ids` without materialising every layer.
+
+transformers 5.17+ accepts a list of indices as `output_hidden_states` and records only those.
+What the indices mean changed in 5.23: before, index `i` selected the output of decoder layer `i`
+(a tuple of `L` entries); from 5.23 it selects `hidden_states[i]` (a tuple of `L + 1` entries,
+index 0 being the embedding output). EAGLE's `target_layer_ids` always mean `hidden_states[i]`,
+the input of decoder layer `i`, so the two helpers below translate for the installed version.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import output_capturing
+
+INDEXES_HIDDEN_STATES = hasattr(output_capturing, "selected_hidden_states")
+
+
+def capture_request(target_layer_ids: list[int]) -> list[int]:
+    """The `output_hidden_states` value that records `hidden_states[i]` for each `i` in `target_layer_ids`."""
+    if INDEXES_HIDDEN_STATES:
+        return list(target_layer_ids)
+    if min(target_layer_ids) < 1:
+        raise ValueError(
+            "transformers < 5.23 cannot capture the embedding output (target_layer_ids contains 0); "
+            "upgrade transformers or use layer ids >= 1."
+        )
+    return [i - 1 for i in target_layer_ids]
+
+
+def select_features(hidden_states: tuple[torch.Tensor | None, ...], target_layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the captured states (low, mid, high) into the drafter's `3 * H_t` input."""
+    return torch.cat([hidden_states[i] for i in capture_request(target_layer_ids)], dim=-1)
