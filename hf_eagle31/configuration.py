@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PreTrainedConfig
 
 MODEL_TYPE = "eagle3_drafter"
+
+# Speculation settings read from the drafter's generation config (attribute -> default).
+SPECULATION_DEFAULTS: dict[str, Any] = {
+    "speculation_mode": "tree",  # "tree" or "chain"
+    "num_assistant_tokens": 5,  # chain length
+    "tree_depth": 6,
+    "tree_top_k": 10,
+    "tree_total_tokens": 60,
+    "dynamic_speculation": True,  # PID control of the chain length / tree depth
+    "max_speculation_depth": 10,
+    "collapse_fallback": True,  # fall back to plain decoding when speculation does not pay
+    "verify_chunk_depth": None,  # micro-batched tree verification: levels per target forward
+}
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
@@ -99,4 +114,4 @@ class Eagle3Config(PreTrainedConfig):
                 )
 
 
-__all__ = ["Eagle3Config", "default_target_layer_ids", "MODEL_TYPE"]
+__all__ = ["Eagle3Config", "default_target_layer_ids", "MODEL_TYPE", "SPECULATION_DEFAULTS"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
-from hf_eagle31.configuration import Eagle3Config
+from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config
 from hf_eagle31.kernels.tree_attention import tree_attention
 
 
@@ -133,6 +133,7 @@ class Eagle3DraftModel(PreTrainedModel):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self._target_embedding: list[nn.Embedding] = []  # a plain list: shared, never registered or saved
+        self.generation_config = GenerationConfig(**SPECULATION_DEFAULTS)  # how generate() speculates
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -7,6 +7,8 @@ so that greedy choices are decided by clear margins rather than by float noise.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import (
     LlamaConfig,
@@ -19,6 +21,8 @@ from transformers import (
 )
 
 from hf_eagle31 import Eagle3Config, Eagle3DraftModel
+from hf_eagle31.configuration import SPECULATION_DEFAULTS
+from transformers import GenerationConfig
 
 VOCAB = 256
 HIDDEN = 64
@@ -86,3 +90,62 @@ def make_drafter(target: PreTrainedModel, eagle31: bool = True, seed: int = 1, *
     drafter = Eagle3DraftModel(drafter_config(target, eagle31, **overrides)).to(target.dtype).eval()
     drafter.set_target_embedding(target.get_input_embeddings())
     return drafter
+
+
+def distill(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: torch.Tensor, new_tokens: int = 64,
+            steps: int = 300) -> Eagle3DraftModel:
+    """Fit `drafter` to the target's greedy continuations of `prompts` (a few seconds on CPU).
+
+    A deliberately small stand-in for the training pipeline: one draft step, teacher-forced, soft
+    targets from the target's logits. A random tiny target does not generalise, so the drafter
+    mostly memorises these continuations: generating from the same prompts gives tests real,
+    partial acceptance (long accepted paths and rejections), which is what they need to exercise.
+    """
+    from hf_eagle31.features import capture_request, select_features
+
+    with torch.no_grad():
+        sequences = target.generate(prompts, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = target(sequences, output_hidden_states=capture_request(drafter.config.target_layer_ids))
+        features = select_features(out.hidden_states, drafter.config.target_layer_ids).float()
+        soft_targets = torch.softmax(out.logits[:, 1:].float(), dim=-1)
+    dtype = drafter.dtype
+    drafter.float().train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = drafter(sequences[:, 1:], features[:, :-1]).logits
+        loss = -(soft_targets * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.to(dtype).eval()
+
+
+def make_tokenizer():
+    """A tokenizer over the tiny vocabulary: ids 3..28 are the letters a..z, the rest two-letter merges,
+    decoded by plain concatenation, so stop strings can span token boundaries."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    letters = [chr(97 + i) for i in range(26)]
+    pairs = [a + b for a in letters for b in letters][: VOCAB - 3 - len(letters)]
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", *letters, *pairs])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[(p[0], p[1]) for p in pairs], unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+# Prompts the trained pairs have memorised continuations for (see `distill`).
+PROMPTS = torch.randint(3, VOCAB, (6, 6), generator=torch.Generator().manual_seed(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_pair(arch: str, eagle31: bool) -> tuple[PreTrainedModel, Eagle3DraftModel]:
+    target = make_target(arch)
+    return target, distill(target, make_drafter(target, eagle31), PROMPTS)
+
+
+def trained_pair(arch: str = "llama", eagle31: bool = True, **speculation) -> tuple[PreTrainedModel, Eagle3DraftModel]:
+    """A target and a drafter fitted to it (cached), with fresh speculation settings."""
+    target, drafter = _trained_pair(arch, eagle31)
+    drafter.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **speculation})
+    return target, drafter

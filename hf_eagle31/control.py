@@ -1,0 +1,113 @@
+"""Runtime control of speculation: how far to draft, and whether drafting pays at all.
+
+Neither can change the output: they only decide how many draft tokens are proposed, and the
+verification step is lossless for any proposal (including none).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("hf_eagle31")
+
+
+@dataclass
+class LengthController:
+    """A PID controller on the recent hit rate (accepted / proposed draft depth).
+
+    Deep drafts are cheap when they are accepted and wasted when they are not: the controller
+    lengthens the draft while the hit rate stays above `setpoint` and shortens it when it drops,
+    always within `[low, high]`. It is deterministic: the same acceptance history gives the same
+    lengths.
+    """
+
+    low: int
+    high: int
+    value: float
+    setpoint: float = 0.6
+    kp: float = 2.0
+    ki: float = 0.2
+    kd: float = 0.5
+    integral_limit: float = 3.0
+    integral: float = 0.0
+    previous_error: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return int(round(self.value))
+
+    def update(self, proposed: int, accepted: int) -> int:
+        if proposed <= 0:
+            return self.length
+        error = accepted / proposed - self.setpoint
+        self.integral = max(-self.integral_limit, min(self.integral_limit, self.integral + error))
+        delta = self.kp * error + self.ki * self.integral + self.kd * (error - self.previous_error)
+        self.previous_error = error
+        self.value = max(float(self.low), min(float(self.high), self.value + delta))
+        return self.length
+
+
+@dataclass
+class CollapseMonitor:
+    """Falls back to plain decoding when speculation is measured to be slower, and probes again later.
+
+    Every `window` speculative steps it compares tokens per second under speculation with the plain
+    rate `1 / t_plain`. Until a plain step has been timed, `t_plain` is taken as the verify time of a
+    speculative step, an upper bound that favours speculation. After a losing window it runs
+    `backoff` plain steps, doubling the backoff after each losing probe (up to `max_backoff`), so the
+    number of wasted draft steps grows only logarithmically with the output length.
+    """
+
+    window: int = 4
+    initial_backoff: int = 8
+    max_backoff: int = 256
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        self.backoff = self.initial_backoff
+        self.plain_left = 0
+        self.plain_time: float | None = None
+        self.fallbacks = 0
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.window_steps = 0
+        self.window_tokens = 0
+        self.window_seconds = 0.0
+        self.window_verify_seconds = 0.0
+
+    def should_speculate(self) -> bool:
+        return not self.enabled or self.plain_left == 0
+
+    def record_plain(self, seconds: float) -> None:
+        self.plain_left = max(self.plain_left - 1, 0)
+        self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
+
+    def record_speculative(self, emitted: int, seconds: float, verify_seconds: float) -> None:
+        if not self.enabled:
+            return
+        self.window_steps += 1
+        self.window_tokens += emitted
+        self.window_seconds += seconds
+        self.window_verify_seconds += verify_seconds
+        if self.window_steps >= self.window:
+            self._judge()
+
+    def _judge(self) -> None:
+        plain_time = self.plain_time or self.window_verify_seconds / self.window_steps
+        speculative_rate = self.window_tokens / max(self.window_seconds, 1e-9)
+        if speculative_rate * plain_time < 1.0:
+            if self.fallbacks == 0:
+                logger.warning(
+                    "EAGLE speculation is slower than plain decoding here (%.2f tokens per plain-step time); "
+                    "falling back to plain decoding and probing again later. A drafter trained for a "
+                    "different target is the usual cause.",
+                    speculative_rate * plain_time,
+                )
+            self.fallbacks += 1
+            self.plain_left = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+        else:
+            self.backoff = self.initial_backoff
+        self._reset_window()

@@ -1,0 +1,341 @@
+"""EAGLE decoding behind `target.generate(..., assistant_model=drafter)`.
+
+Two modes, chosen by `drafter.generation_config.speculation_mode`:
+  * "chain": transformers' own assisted-decoding loop verifies a chain proposed by
+    `EagleCandidateGenerator`, which receives the target's selected hidden states through the
+    `requires_model_outputs` / `model_kwargs_overrides` extension points.
+  * "tree": `eagle_tree_decoding`, a loop of our own (a chain loop cannot express a tree) that
+    drafts an EAGLE-2 dynamic tree and verifies it in one target forward.
+
+transformers has no registry for third-party candidate generators, so importing hf_eagle31 wraps
+three `GenerationMixin` methods (`install`). Each wrapper acts only when `assistant_model` is an
+`Eagle3DraftModel` and otherwise calls the original with the same arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_ids
+from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
+from hf_eagle31.features import capture_request, select_features
+from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.stats import SpeculationStats
+from hf_eagle31.verification import ATTENTION_NAME, verify_tree
+
+def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
+    value = getattr(getattr(drafter, "generation_config", None), name, None)
+    return SPECULATION_DEFAULTS[name] if value is None else value
+
+
+def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
+    """Check the pair fits together (clear errors, not a shape error deep in torch) and share the embedding."""
+    tc, dc = target.config.get_text_config(), drafter.config
+    name = type(target).__name__
+    if dc.vocab_size != tc.vocab_size:
+        raise ValueError(
+            f"The drafter was built for a vocabulary of {dc.vocab_size} tokens, but the target {name} has "
+            f"{tc.vocab_size}: this drafter belongs to a different target model."
+        )
+    if dc.target_hidden_size != tc.hidden_size:
+        raise ValueError(
+            f"The drafter reads target features of width {dc.target_hidden_size}, but the target {name} has "
+            f"hidden size {tc.hidden_size}: this drafter belongs to a different target model."
+        )
+    layers = tc.num_hidden_layers
+    if dc.target_layer_ids is None:
+        dc.target_layer_ids = default_target_layer_ids(layers)
+    if max(dc.target_layer_ids) > layers or min(dc.target_layer_ids) < 0:
+        raise ValueError(
+            f"target_layer_ids {dc.target_layer_ids} are out of range for the target {name} with {layers} layers."
+        )
+    if drafter.get_input_embeddings() is not target.get_input_embeddings():
+        drafter.set_target_embedding(target.get_input_embeddings())
+
+
+def _draft_sampler(drafter: Eagle3DraftModel, do_sample: bool, temperature: float):
+    """How the drafter picks a draft token: argmax, or a sample from its temperature-scaled distribution."""
+
+    def choose(draft_logits: torch.Tensor) -> torch.Tensor:
+        if not do_sample:
+            return drafter.draft_to_target(draft_logits.argmax(dim=-1, keepdim=True))
+        probs = torch.softmax(draft_logits.float() / temperature, dim=-1)
+        return drafter.draft_to_target(torch.multinomial(probs, 1))
+
+    return choose
+
+
+class EagleCandidateGenerator(CandidateGenerator):
+    """Chain drafting for transformers' assisted-decoding loop.
+
+    The loop hands us the target's last forward output; we take the captured features of the
+    positions it accepted, feed them to the drafter (which drops the entries of the previous,
+    rejected draft), and draft the next chain. With sampling we return the drafter's logits over the
+    full target vocabulary so that transformers' speculative sampling can use them as q.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, target: PreTrainedModel, drafter: Eagle3DraftModel, generation_config: GenerationConfig,
+                 tokenizer=None):
+        prepare_drafter(target, drafter)
+        self.drafter = drafter
+        self.layer_ids = drafter.config.target_layer_ids
+        self.model_kwargs_overrides = {"output_hidden_states": capture_request(self.layer_ids)}
+        self.state = DrafterState(drafter)
+        self.do_sample = bool(generation_config.do_sample)
+        self.temperature = generation_config.temperature or 1.0
+        self.choose = _draft_sampler(drafter, self.do_sample, self.temperature)
+        self.max_length = generation_config.max_length
+        # Transformers only checks stopping criteria after a whole step: a stop string completed by
+        # an accepted draft token would let later tokens through. Drafts therefore end before any
+        # token that completes a stop string, so a stop can only fall on a step's last token.
+        self.stop_strings = (
+            StopStringCriteria(tokenizer, generation_config.stop_strings)
+            if generation_config.stop_strings and tokenizer is not None
+            else None
+        )
+        self.controller = _length_controller(drafter, speculation_setting(drafter, "num_assistant_tokens"))
+        self.monitor = CollapseMonitor(enabled=bool(speculation_setting(drafter, "collapse_fallback")))
+        self.stats = SpeculationStats(mode="chain")
+        drafter.speculation_stats = self.stats
+        self.prefilled = False
+        self.proposed = 0
+        self.step_started = 0.0
+        self.draft_seconds = 0.0
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
+                       n_last_matches=0, **kwargs):
+        if is_first_iteration:  # transformers' loop prefills first; we draft from its hidden states
+            self.proposed = -1
+            return input_ids, None
+        features = select_features(model_outputs.hidden_states, self.layer_ids)
+        new = n_last_matches + 1 if self.prefilled else features.shape[1]
+        self.prefilled = True
+        self.state.push(features[:, :new], input_ids[:, -new:])
+        self.step_started = time.perf_counter()
+        steps = min(self.controller.length, self.max_length - input_ids.shape[1] - 1)
+        if steps <= 0 or not self.monitor.should_speculate():
+            self.proposed = 0
+            return input_ids, None
+        tokens, logits = draft_chain(self.state, steps, self.choose)
+        tokens, logits = self._cut_at_stop_string(input_ids, tokens, logits)
+        self.proposed = tokens.shape[1]
+        self.draft_seconds = time.perf_counter() - self.step_started
+        candidates = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
+        if not self.do_sample:
+            return candidates, None
+        return candidates, self.drafter.expand_to_target_vocab(logits.float() / self.temperature)
+
+    def _cut_at_stop_string(self, input_ids, tokens, logits):
+        if self.stop_strings is None:
+            return tokens, logits
+        sequence = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
+        for j in range(tokens.shape[1]):
+            if self.stop_strings(sequence[:, : input_ids.shape[1] + j + 1], None).any():
+                return tokens[:, :j], logits[:, :j]
+        return tokens, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        seconds = time.perf_counter() - self.step_started
+        num_matches = int(num_matches)
+        if self.proposed < 0:  # the prefill
+            return
+        if self.proposed == 0:
+            self.stats.plain_steps += 1
+            self.stats.plain_seconds += seconds
+            self.monitor.record_plain(seconds)
+            return
+        verify_seconds = seconds - self.draft_seconds
+        self.stats.draft_seconds += self.draft_seconds
+        self.stats.verify_seconds += verify_seconds
+        self.stats.record_step(self.proposed, num_matches, num_matches + 1)
+        self.controller.update(self.proposed, num_matches)
+        self.monitor.record_speculative(num_matches + 1, seconds, verify_seconds)
+        self.stats.fallbacks = self.monitor.fallbacks
+
+
+def _length_controller(drafter: Eagle3DraftModel, start: int) -> LengthController:
+    if not speculation_setting(drafter, "dynamic_speculation"):
+        return LengthController(low=start, high=start, value=start)
+    return LengthController(low=1, high=max(start, speculation_setting(drafter, "max_speculation_depth")), value=start)
+
+
+@contextlib.contextmanager
+def verify_attention_enabled(target: PreTrainedModel):
+    """Switch the target to the `eagle_tree` attention function (see verification.py) while EAGLE decodes."""
+    previous = target.config._attn_implementation
+    target.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(previous)
+
+
+def _check_tree_inputs(generation_config, model_kwargs) -> None:
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("EAGLE tree decoding does not support padded inputs (the attention mask has zeros).")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "EAGLE tree decoding cannot return attentions or hidden states; set speculation_mode='chain' for that."
+        )
+
+
+@torch.no_grad()
+def eagle_tree_decoding(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config: GenerationConfig,
+    drafter: Eagle3DraftModel,
+    streamer=None,
+    **model_kwargs,
+):
+    """Draft a tree, verify it in one target forward, accept the longest valid path, repeat.
+
+    Runs inside `verify_attention_enabled(model)` (the `generate` routing takes care of it).
+    """
+    _check_tree_inputs(generation_config, model_kwargs)
+    prepare_drafter(model, drafter)
+    layer_ids = drafter.config.target_layer_ids
+    cache = model_kwargs["past_key_values"]
+    state = DrafterState(drafter)
+    stats = SpeculationStats(mode="tree")
+    drafter.speculation_stats = stats
+    controller = _length_controller(drafter, speculation_setting(drafter, "tree_depth"))
+    monitor = CollapseMonitor(enabled=bool(speculation_setting(drafter, "collapse_fallback")))
+    top_k = speculation_setting(drafter, "tree_top_k")
+    total_tokens = speculation_setting(drafter, "tree_total_tokens")
+    chunk_depth = speculation_setting(drafter, "verify_chunk_depth")
+    do_sample = bool(generation_config.do_sample)
+    scores_out = [] if generation_config.return_dict_in_generate and generation_config.output_scores else None
+    logits_out = [] if generation_config.return_dict_in_generate and generation_config.output_logits else None
+    sequence = [input_ids]
+
+    def emit(node: int, logits: torch.Tensor) -> tuple[int, bool]:
+        """Pick the next token from the target's logits exactly as plain `generate` does, and record it."""
+        ids = torch.cat(sequence, dim=1) if len(sequence) > 1 else sequence[0]
+        scores = logits_processor(ids, logits[None])
+        if do_sample:
+            token = torch.multinomial(torch.softmax(scores, dim=-1), 1)
+        else:
+            token = scores.argmax(dim=-1, keepdim=True)
+        sequence[:] = [torch.cat([ids, token], dim=1)]
+        if scores_out is not None:
+            scores_out.append(scores)
+        if logits_out is not None:
+            logits_out.append(logits[None])
+        stop = bool(stopping_criteria(sequence[0], scores).any())
+        return int(token), stop
+
+    start = cache.get_seq_length()
+    prompt = input_ids[:, start:]
+    out = model(
+        input_ids=prompt,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=capture_request(layer_ids),
+        logits_to_keep=1,
+    )
+    token, stop = emit(0, out.logits[0, -1].float())
+    state.push(select_features(out.hidden_states, layer_ids), sequence[0][:, start + 1 :])
+    streamed = input_ids.shape[1]
+    if streamer is not None:
+        streamer.put(sequence[0][:, streamed:].cpu())
+        streamed += 1
+    while not stop:
+        root = sequence[0][0, -1:]
+        began = time.perf_counter()
+        speculate = monitor.should_speculate()
+        if speculate:
+            tree = draft_tree(state, root, controller.length, top_k, total_tokens)
+        else:
+            tree = DraftTree.root_only(root)
+        drafted = time.perf_counter()
+        result = verify_tree(model, cache, tree, layer_ids, emit, state.push, chunk_depth)
+        stop = result.stopped
+        done = time.perf_counter()
+        if speculate:
+            stats.draft_seconds += drafted - began
+            stats.verify_seconds += done - drafted
+            stats.record_step(tree.depth, result.accepted, len(result.tokens), result.forwards)
+            controller.update(tree.depth, result.accepted)
+            monitor.record_speculative(len(result.tokens), done - began, done - drafted)
+            stats.fallbacks = monitor.fallbacks
+        else:
+            stats.plain_steps += 1
+            stats.plain_seconds += done - began
+            monitor.record_plain(done - began)
+        if streamer is not None:
+            streamer.put(sequence[0][:, streamed:].cpu())
+            streamed = sequence[0].shape[1]
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return sequence[0]
+    return GenerateDecoderOnlyOutput(
+        sequences=sequence[0],
+        scores=tuple(scores_out) if scores_out is not None else None,
+        logits=tuple(logits_out) if logits_out is not None else None,
+        past_key_values=cache,
+    )
+
+
+# --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
+
+
+def install() -> None:
+    """Wrap the three GenerationMixin methods that decide how assisted generation runs (idempotent)."""
+    if getattr(GenerationMixin._assisted_decoding, "_hf_eagle31", False):
+        return
+    validate = GenerationMixin._validate_generation_mode
+    assisted = GenerationMixin._assisted_decoding
+    candidates = GenerationMixin._get_candidate_generator
+
+    @functools.wraps(validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        drafter = generation_mode_kwargs.get("assistant_model")
+        if isinstance(drafter, Eagle3DraftModel):
+            prepare_drafter(self, drafter)  # before transformers mistakes a mismatch for a tokenizer issue
+        return validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    @functools.wraps(assisted)
+    def _assisted_decoding(self, input_ids, *args, **kwargs):
+        drafter = kwargs.get("assistant_model")
+        if not isinstance(drafter, Eagle3DraftModel):
+            return assisted(self, input_ids, *args, **kwargs)
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"EAGLE decoding supports batch size 1 (got {input_ids.shape[0]} sequences): "
+                "call generate once per prompt."
+            )
+        with verify_attention_enabled(self):
+            if speculation_setting(drafter, "speculation_mode") == "chain":
+                return assisted(self, input_ids, *args, **kwargs)
+            for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
+                kwargs.pop(unused, None)
+            return eagle_tree_decoding(self, input_ids, *args, drafter=drafter, **kwargs)
+
+    @functools.wraps(candidates)
+    def _get_candidate_generator(self, *args, **kwargs):
+        drafter = kwargs.get("assistant_model")
+        if isinstance(drafter, Eagle3DraftModel):
+            return EagleCandidateGenerator(self, drafter, kwargs["generation_config"], kwargs.get("target_tokenizer"))
+        return candidates(self, *args, **kwargs)
+
+    for wrapper in (_validate_generation_mode, _assisted_decoding, _get_candidate_generator):
+        wrapper._hf_eagle31 = True
+        setattr(GenerationMixin, wrapper.__name__, wrapper)

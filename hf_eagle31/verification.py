@@ -1,0 +1,194 @@
+"""Verifying a draft tree with one target forward, accepting the longest valid path, compacting the KV cache.
+
+Acceptance is the same walk for greedy and sampling: at each node the target's processed
+distribution picks a token exactly as plain `generate` would (argmax, or a sample); if a child of
+the node carries that token the walk moves there, otherwise the token is the step's bonus token.
+For sampling this is multi-candidate recursive rejection sampling with the tree's children as
+deterministic proposals (a proposal of probability one is accepted with probability p(x), and
+the residual after removing it is p restricted to the other tokens): the emitted tokens are
+distributed exactly as the target's, and each step accepts a child with probability p(children).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, Cache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hf_eagle31.drafting import DraftTree, truncate_cache
+from hf_eagle31.features import capture_request, select_features
+from hf_eagle31.kernels.tree_attention import tree_attention
+
+ATTENTION_NAME = "eagle_tree"
+
+
+def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function used while EAGLE decodes (`attn_implementation="eagle_tree"`).
+
+    transformers builds no mask for it. A prefill or a one-token step is exactly transformers' SDPA
+    path; a verify block (a chain, or a tree whose `[n, n]` ancestor mask arrives as the
+    `eagle_tail_mask` forward kwarg) sees the cached prefix plus its own ancestors.
+    """
+    tail_mask = kwargs.pop("eagle_tail_mask", None)
+    n, total = query.shape[2], key.shape[2]
+    if tail_mask is None and n in (1, total):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and total > window:
+        raise NotImplementedError(
+            "EAGLE verification does not support sliding-window attention past the window "
+            f"({total} > {window} tokens); use this target without an EAGLE drafter for such long inputs."
+        )
+    if tail_mask is None:
+        tail_mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    if query.is_cuda:
+        return tree_attention(query, key, value, tail_mask, scaling).transpose(1, 2).contiguous(), None
+    return decode_equivalent_attention(module, query, key, value, tail_mask, scaling, dropout, **kwargs)
+
+
+def decode_equivalent_attention(module, query, key, value, tail_mask, scaling, dropout, **kwargs):
+    """The verify block's attention computed the way one-token decoding computes it, bit for bit.
+
+    Why: one batched attention over the block sums in a different order than a decode step does,
+    and in bf16 that flips near-tied argmaxes, so greedy output would drift from plain `generate`.
+    Each node instead runs transformers' SDPA with a single query over exactly the keys it may see
+    (the prefix, then its ancestors in order: the same tensor a decode step would see). SDPA on CPU
+    is batch-invariant, so nodes with the same number of visible keys share one call.
+    """
+    prefix = key.shape[2] - tail_mask.shape[0]
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    counts = tail_mask.sum(dim=-1)
+    for count in counts.unique().tolist():
+        nodes = (counts == count).nonzero().flatten()
+        seen = tail_mask[nodes].nonzero()[:, 1].view(nodes.shape[0], count) + prefix
+        index = torch.cat([torch.arange(prefix, device=seen.device).expand(nodes.shape[0], prefix), seen], dim=1)
+        keys = key[0][:, index].transpose(0, 1).contiguous()
+        values = value[0][:, index].transpose(0, 1).contiguous()
+        queries = query[0][:, nodes, None].transpose(0, 1)
+        attended, _ = sdpa_attention_forward(module, queries, keys, values, None, dropout=dropout, scaling=scaling, **kwargs)
+        out[0, nodes] = attended[:, 0]
+    return out, None
+
+
+AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
+
+
+@dataclass
+class BlockOutput:
+    logits: torch.Tensor  # [n, V] float32, raw
+    features: torch.Tensor  # [n, 3 * H_t]
+
+
+def verify_block(
+    target: PreTrainedModel,
+    cache: Cache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    tail_mask: torch.Tensor | None,
+    target_layer_ids: list[int],
+) -> BlockOutput:
+    """One target forward over the block (the target must be using `eagle_tree` attention)."""
+    out = target(
+        input_ids=tokens[None],
+        position_ids=positions[None],
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=capture_request(target_layer_ids),
+        eagle_tail_mask=tail_mask,
+    )
+    return BlockOutput(out.logits[0].float(), select_features(out.hidden_states, target_layer_ids)[0])
+
+
+def compact_cache(cache: Cache, start: int, keep: torch.Tensor) -> None:
+    """Keep the block entries `start + keep` (ascending) at `start, start + 1, ...` and drop the rest, in place."""
+    length = start + keep.shape[0]
+    for layer in cache.layers:
+        index = (start + keep).to(layer.keys.device)
+        layer.keys[:, :, start:length] = layer.keys.index_select(2, index)
+        layer.values[:, :, start:length] = layer.values.index_select(2, index)
+    truncate_cache(cache, length)
+
+
+def subtree(tree: DraftTree, root: int, max_depth: int | None) -> torch.Tensor:
+    """Indices of `root` and its descendants at most `max_depth` levels below it, in level order."""
+    inside = torch.zeros(len(tree), dtype=torch.bool)
+    inside[root] = True
+    limit = tree.depth if max_depth is None else int(tree.depths[root]) + max_depth
+    for node, parent in enumerate(tree.parents.tolist()):
+        if parent >= 0 and inside[parent] and int(tree.depths[node]) <= limit:
+            inside[node] = True
+    return inside.nonzero().flatten()
+
+
+def children_by_token(tree: DraftTree) -> list[dict[int, int]]:
+    children: list[dict[int, int]] = [{} for _ in range(len(tree))]
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        if parent >= 0:
+            children[parent].setdefault(token, node)
+    return children
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # emitted tokens, the last one is the bonus token
+    accepted: int  # draft tokens accepted
+    forwards: int  # target forwards spent
+    stopped: bool  # a stopping criterion fired on one of the tokens
+
+
+def verify_tree(
+    target: PreTrainedModel,
+    cache: Cache,
+    tree: DraftTree,
+    target_layer_ids: list[int],
+    emit: Callable[[int, torch.Tensor, torch.Tensor], tuple[int, bool]],
+    push_features: Callable[[torch.Tensor, torch.Tensor], None],
+    chunk_depth: int | None = None,
+) -> StepResult:
+    """Verify `tree` (root = last emitted token, not yet in the cache), walk, compact, feed the drafter.
+
+    `emit(node, raw_logits)` is called once per walked node with the node's raw target logits; it
+    processes them, picks the next token, records it, and returns `(token, stop)`.
+    With `chunk_depth`, the tree is verified in depth-ordered chunks ("micro-batched" verification):
+    the next chunk, rooted at the accepted child, runs only if the walk reaches it.
+    """
+    start = cache.get_seq_length()
+    position_base = start  # the tree root sits at position `start`; node positions are start + depth
+    children = children_by_token(tree)
+    emitted: list[int] = []
+    forwards = 0
+    root = 0
+    while True:
+        block = subtree(tree, root, chunk_depth)
+        block_start = cache.get_seq_length()
+        mask = tree.ancestor_mask()[block][:, block]
+        out = verify_block(
+            target, cache, tree.tokens[block], position_base + tree.depths[block], mask, target_layer_ids
+        )
+        forwards += 1
+        local = {int(node): i for i, node in enumerate(block.tolist())}
+        kept, next_tokens = [], []
+        node, next_root, stop = root, None, False
+        while True:
+            token, stop = emit(node, out.logits[local[node]])
+            emitted.append(token)
+            kept.append(local[node])
+            next_tokens.append(token)
+            child = children[node].get(token)
+            if stop or child is None:
+                break
+            if child not in local:
+                next_root = child
+                break
+            node = child
+        keep = torch.tensor(kept, device=tree.tokens.device)
+        compact_cache(cache, block_start, keep)
+        if stop or next_root is None:
+            if not stop:
+                push_features(out.features[keep][None], torch.tensor([next_tokens], device=tree.tokens.device))
+            return StepResult(emitted, len(emitted) - 1, forwards, stop)
+        push_features(out.features[keep][None], torch.tensor([next_tokens], device=tree.tokens.device))
+        root = next_root

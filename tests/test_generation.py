@@ -1,0 +1,271 @@
+"""EAGLE decoding through `target.generate(assistant_model=drafter)` is lossless: greedy output equals
+plain `generate` token for token, in chain and tree mode, with every decoding control honoured."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import PROMPTS, VOCAB, make_drafter, make_target, make_tokenizer, trained_pair
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
+
+MODES = ["chain", "tree"]
+
+
+def prompt_variants():
+    """Memorised prompts (long accepted paths), their prefixes and extensions (rejections), one token."""
+    first = PROMPTS[0:1]
+    return [first, PROMPTS[3:4], first[:, :1], first[:, :3], torch.cat([PROMPTS[1:2], PROMPTS[4:5]], dim=1)]
+
+
+def plain(target, prompt, **kwargs):
+    return target.generate(prompt, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_equals_plain_generate(arch, eagle31, mode):
+    target, drafter = trained_pair(arch, eagle31, speculation_mode=mode, collapse_fallback=False)
+    deepest = 0
+    for prompt in prompt_variants():
+        for max_new_tokens in (1, 7, 48):
+            expected = plain(target, prompt, max_new_tokens=max_new_tokens)
+            out = target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter)
+            assert torch.equal(out, expected), (prompt.tolist(), max_new_tokens)
+            deepest = max(deepest, sum(a > 0 for a in drafter.speculation_stats.accepted))
+    assert deepest >= 2, "the sweep never accepted a multi-token path: it tested nothing"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_equals_plain_generate_bf16(arch, mode):
+    target, drafter = trained_pair(arch, True, speculation_mode=mode, collapse_fallback=False)
+    target, drafter = target.to(torch.bfloat16), drafter.to(torch.bfloat16)
+    try:
+        taus = []
+        for prompt in prompt_variants():
+            expected = plain(target, prompt, max_new_tokens=40)
+            out = target.generate(prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter)
+            assert torch.equal(out, expected), prompt.tolist()
+            taus.append(drafter.speculation_stats.tau)
+        assert max(taus) > 1.5
+    finally:
+        target.float(), drafter.float()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "controls",
+    [
+        {"repetition_penalty": 1.4},
+        {"no_repeat_ngram_size": 2},
+        {"min_new_tokens": 30, "eos_token_id": None},  # eos filled in below
+        {"bad_words_ids": [[5], [7, 9]]},
+        {"sequence_bias": {(11,): 4.0}},
+    ],
+    ids=["repetition_penalty", "no_repeat_ngram", "min_new_tokens", "bad_words", "sequence_bias"],
+)
+def test_logits_processors_are_honoured(mode, controls):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    prompt = PROMPTS[3:4]
+    controls = dict(controls)
+    if "eos_token_id" in controls:  # an eos the plain output hits early, so min_new_tokens matters
+        controls["eos_token_id"] = int(plain(target, prompt, max_new_tokens=5)[0, -2])
+    expected = plain(target, prompt, max_new_tokens=40, **controls)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter, **controls)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eos_stops_where_plain_generate_stops(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    prompt = PROMPTS[0:1]
+    reference = plain(target, prompt, max_new_tokens=40)
+    eos = int(reference[0, prompt.shape[1] + 20])  # a token deep inside a memorised (accepted) run
+    expected = plain(target, prompt, max_new_tokens=40, eos_token_id=eos)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=eos, assistant_model=drafter)
+    assert expected.shape[1] < reference.shape[1] and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_strings_stop_where_plain_generate_stops(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    tokenizer = make_tokenizer()
+    prompt = PROMPTS[0:1]
+    reference = plain(target, prompt, max_new_tokens=40)
+    words = tokenizer.convert_ids_to_tokens(reference[0, prompt.shape[1] + 18 : prompt.shape[1] + 20].tolist())
+    stop = words[0][1:] + words[1][:1]  # spans a token boundary, deep inside an accepted run
+    expected = plain(target, prompt, max_new_tokens=40, stop_strings=stop, tokenizer=tokenizer)
+    out = target.generate(
+        prompt, do_sample=False, max_new_tokens=40, stop_strings=stop, tokenizer=tokenizer, assistant_model=drafter
+    )
+    assert expected.shape[1] < reference.shape[1] and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streamer_receives_exactly_the_output(mode):
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens, self.ended = [], False
+
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+
+        def end(self):
+            self.ended = True
+
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    streamer = Collect()
+    out = target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=30, assistant_model=drafter, streamer=streamer)
+    assert streamer.ended and streamer.tokens == out[0].tolist()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_text_iterator_streamer(mode):
+    from threading import Thread
+
+    from transformers import TextIteratorStreamer
+
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    tokenizer = make_tokenizer()
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    kwargs = dict(inputs=PROMPTS[0:1], do_sample=False, max_new_tokens=20, assistant_model=drafter, streamer=streamer)
+    thread = Thread(target=target.generate, kwargs=kwargs)
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    expected = plain(target, PROMPTS[0:1], max_new_tokens=20)
+    assert text.split() == tokenizer.decode(expected[0, PROMPTS.shape[1] :]).split()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_larger_than_one_is_refused_clearly(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(PROMPTS[:2], do_sample=False, max_new_tokens=5, assistant_model=drafter)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dynamic_speculation_never_changes_the_output(mode):
+    outputs = []
+    for dynamic in (False, True):
+        target, drafter = trained_pair("llama", True, speculation_mode=mode, dynamic_speculation=dynamic)
+        outputs.append(target.generate(PROMPTS[3:4], do_sample=False, max_new_tokens=48, assistant_model=drafter))
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(outputs[0], plain(target, PROMPTS[3:4], max_new_tokens=48))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_statistics_account_for_every_token(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    prompt = PROMPTS[0:1]
+    out = target.generate(prompt, do_sample=False, max_new_tokens=48, assistant_model=drafter)
+    stats = drafter.speculation_stats
+    new_tokens = out.shape[1] - prompt.shape[1]
+    assert stats.mode == mode
+    assert 1 + stats.speculative_tokens + stats.plain_steps == new_tokens  # +1: the prefill's token
+    assert stats.tau == pytest.approx(stats.speculative_tokens / stats.speculative_forwards)
+    assert stats.tau > 1.5 and stats.acceptance_per_depth[0] > 0.5
+    assert all(0.0 <= a <= 1.0 for a in stats.acceptance_per_depth)
+    assert stats.draft_seconds > 0 and stats.verify_seconds > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mismatched_drafter_falls_back_with_bounded_waste(mode, caplog):
+    target = make_target("llama", seed=0)
+    stranger = make_target("llama", seed=7)  # same shapes, different weights
+    drafter = make_drafter(stranger, eagle31=True)
+    drafter.generation_config.speculation_mode = mode
+    prompt = PROMPTS[0:1]
+    with caplog.at_level(logging.WARNING, logger="hf_eagle31"):
+        out = target.generate(prompt, do_sample=False, max_new_tokens=200, assistant_model=drafter)
+    assert torch.equal(out, plain(target, prompt, max_new_tokens=200))
+    stats = drafter.speculation_stats
+    # windows of 4 speculative steps, then 8, 16, 32, 64, 128 plain steps: at most 6 probing windows
+    assert stats.fallbacks >= 1 and stats.speculative_forwards <= 4 * 6
+    assert sum("slower than plain decoding" in r.message for r in caplog.records) == 1
+
+
+def test_tree_cache_is_compacted_to_the_accepted_path():
+    target, drafter = trained_pair("llama", True, speculation_mode="tree")
+    prompt = PROMPTS[0:1]
+    out = target.generate(
+        prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter, return_dict_in_generate=True
+    )
+    fresh = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(out.sequences[:, :-1], past_key_values=fresh)
+    cache = out.past_key_values
+    assert cache.get_seq_length() == out.sequences.shape[1] - 1
+    for kept, reference in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(kept.keys, reference.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(kept.values, reference.values, atol=1e-5, rtol=1e-4)
+
+
+def test_micro_batched_verification_is_lossless_and_chunks():
+    outputs, forwards = [], []
+    for chunk in (None, 2):
+        target, drafter = trained_pair("llama", True, verify_chunk_depth=chunk, collapse_fallback=False)
+        outputs.append(target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=48, assistant_model=drafter))
+        stats = drafter.speculation_stats
+        forwards.append(stats.speculative_forwards / (stats.speculative_forwards and len(stats.reached) or 1))
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(outputs[0], plain(target, PROMPTS[0:1], max_new_tokens=48))
+
+
+def test_long_generation_keeps_the_cache_valid():
+    target = make_target("llama", seed=3)
+    target.config.max_position_embeddings = 8192
+    drafter = make_drafter(target, eagle31=True)
+    prompt = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(do_sample=False, max_new_tokens=4200, min_new_tokens=4200)
+    expected = target.generate(prompt, **kwargs)
+    out = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert out.shape[1] == prompt.shape[1] + 4200 and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(vocab_size=VOCAB + 8), "vocabulary"),
+        (dict(target_hidden_size=32), "features of width"),
+        (dict(target_layer_ids=[2, 3, 9], num_target_layers=None), "out of range"),
+    ],
+)
+def test_mismatched_pairs_get_clear_errors(change, message):
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=True, **change) if "vocab" not in str(change) else None
+    if drafter is None:  # a drafter built for a bigger vocabulary cannot share this target's embedding
+        from tiny_models import drafter_config
+
+        drafter = hf_eagle31.Eagle3DraftModel(drafter_config(target, **change)).eval()
+    with pytest.raises(ValueError, match=message):
+        target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=5, assistant_model=drafter)
+
+
+def test_plain_and_transformers_assisted_generation_unchanged_by_import():
+    """Run plain and small-LM assisted generation with and without `import hf_eagle31` in fresh processes."""
+    script = """
+import sys, torch
+sys.path.insert(0, "tests")
+if sys.argv[1] == "1":
+    import hf_eagle31
+from tiny_models import make_target, PROMPTS
+target, assistant = make_target("llama", seed=0), make_target("llama", seed=4)
+torch.manual_seed(0)
+outs = [target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=20),
+        target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=20, assistant_model=assistant),
+        target.generate(PROMPTS[0:1], do_sample=True, max_new_tokens=20, assistant_model=assistant),
+        target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=20, prompt_lookup_num_tokens=3)]
+print([o.tolist() for o in outs])
+"""
+    results = [
+        subprocess.run([sys.executable, "-c", script, flag], capture_output=True, text=True, check=True).stdout
+        for flag in ("0", "1")
+    ]
+    assert results[0] == results[1] and results[0].strip()
