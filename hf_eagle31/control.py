@@ -53,10 +53,12 @@ class CollapseMonitor:
     """Falls back to plain decoding when speculation is measured to be slower, and probes again later.
 
     Every `window` speculative steps it compares tokens per second under speculation with the plain
-    rate `1 / t_plain`. Until a plain step has been timed, `t_plain` is taken as the verify time of a
+    rate `1 / t_plain` (a window that accepted no draft token at all loses outright, whatever the
+    timings say). Until a plain step has been timed, `t_plain` is taken as the verify time of a
     speculative step, an upper bound that favours speculation. After a losing window it runs
-    `backoff` plain steps, doubling the backoff after each losing probe (up to `max_backoff`), so the
-    number of wasted draft steps grows only logarithmically with the output length.
+    `backoff` plain steps, doubling the backoff after each losing probe (up to `max_backoff`) and
+    halving it after a winning one, so the number of wasted draft steps grows only logarithmically
+    with the output length.
     """
 
     window: int = 4
@@ -97,7 +99,8 @@ class CollapseMonitor:
     def _judge(self) -> None:
         plain_time = self.plain_time or self.window_verify_seconds / self.window_steps
         speculative_rate = self.window_tokens / max(self.window_seconds, 1e-9)
-        if speculative_rate * plain_time < 1.0:
+        nothing_accepted = self.window_tokens <= self.window_steps  # one token per step: never pays
+        if nothing_accepted or speculative_rate * plain_time < 1.0:
             if self.fallbacks == 0:
                 logger.warning(
                     "EAGLE speculation is slower than plain decoding here (%.2f tokens per plain-step time); "
@@ -108,6 +111,6 @@ class CollapseMonitor:
             self.fallbacks += 1
             self.plain_left = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
-        else:
-            self.backoff = self.initial_backoff
+        else:  # one good window may be a fluke: relax the backoff gradually
+            self.backoff = max(self.initial_backoff, self.backoff // 2)
         self._reset_window()

@@ -98,9 +98,12 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.temperature = generation_config.temperature or 1.0
         self.choose = _draft_sampler(drafter, self.do_sample, self.temperature)
         self.max_length = generation_config.max_length
-        # Transformers only checks stopping criteria after a whole step: a stop string completed by
-        # an accepted draft token would let later tokens through. Drafts therefore end before any
-        # token that completes a stop string, so a stop can only fall on a step's last token.
+        # transformers checks stopping criteria after a whole step (and, before 5.23, does not cut
+        # the accepted tokens at eos): a stop inside an accepted draft would let later tokens
+        # through. Drafts therefore end before any eos token or token completing a stop string, so
+        # a stop can only fall on a step's last token, where it is seen.
+        eos = generation_config.eos_token_id
+        self.eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long)
         self.stop_strings = (
             StopStringCriteria(tokenizer, generation_config.stop_strings)
             if generation_config.stop_strings and tokenizer is not None
@@ -129,23 +132,48 @@ class EagleCandidateGenerator(CandidateGenerator):
         if steps <= 0 or not self.monitor.should_speculate():
             self.proposed = 0
             return input_ids, None
-        tokens, logits = draft_chain(self.state, steps, self.choose)
-        tokens, logits = self._cut_at_stop_string(input_ids, tokens, logits)
+        tokens, draft_logits = draft_chain(self.state, steps, self.choose)
+        # with sampling, transformers' speculative sampling needs q over the full target vocabulary
+        logits = self.drafter.expand_to_target_vocab(draft_logits.float() / self.temperature) if self.do_sample else None
+        tokens, logits = self._cut_before_stop(input_ids, tokens, logits)
         self.proposed = tokens.shape[1]
         self.draft_seconds = time.perf_counter() - self.step_started
-        candidates = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
-        if not self.do_sample:
-            return candidates, None
-        return candidates, self.drafter.expand_to_target_vocab(logits.float() / self.temperature)
+        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), logits
 
-    def _cut_at_stop_string(self, input_ids, tokens, logits):
-        if self.stop_strings is None:
+    def _cut_before_stop(self, input_ids, tokens, logits):
+        """End the draft before its first token that would stop generation.
+
+        With sampling, whether the draft continues past a position then depends on the token drawn
+        there, so the proposal at each kept position is q conditioned on not stopping: the returned
+        logits mask the stopping tokens, which keeps speculative sampling exact.
+        """
+        if not len(self.eos) and self.stop_strings is None:
             return tokens, logits
+        cut = lambda j: (tokens[:, :j], None if logits is None else logits[:, :j])  # noqa: E731
         sequence = torch.cat([input_ids, tokens.to(input_ids.device)], dim=1)
+        start = input_ids.shape[1]
         for j in range(tokens.shape[1]):
-            if self.stop_strings(sequence[:, : input_ids.shape[1] + j + 1], None).any():
-                return tokens[:, :j], logits[:, :j]
+            if self.do_sample:
+                stops = self._stopping_tokens(sequence[:, : start + j]).to(logits.device)
+                logits[:, j, stops] = float("-inf")
+                hit = bool(stops[tokens[0, j]])
+            else:
+                hit = bool(torch.isin(tokens[0, j].cpu(), self.eos)) or (
+                    self.stop_strings is not None and bool(self.stop_strings(sequence[:, : start + j + 1], None).any())
+                )
+            if hit:
+                return cut(j)
         return tokens, logits
+
+    def _stopping_tokens(self, prefix: torch.Tensor) -> torch.Tensor:
+        """`[V]` bool: the tokens that, appended to `prefix`, end generation (eos or a completed stop string)."""
+        vocab = self.drafter.config.vocab_size
+        stops = torch.zeros(vocab, dtype=torch.bool)
+        stops[self.eos] = True
+        if self.stop_strings is not None:
+            tail = prefix[:, -self.stop_strings.maximum_token_len :].cpu().expand(vocab, -1)
+            stops |= self.stop_strings(torch.cat([tail, torch.arange(vocab)[:, None]], dim=1), None).cpu()
+        return stops
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         seconds = time.perf_counter() - self.step_started

@@ -54,22 +54,24 @@ def decode_equivalent_attention(module, query, key, value, tail_mask, scaling, d
 
     Why: one batched attention over the block sums in a different order than a decode step does,
     and in bf16 that flips near-tied argmaxes, so greedy output would drift from plain `generate`.
-    Each node instead runs transformers' SDPA with a single query over exactly the keys it may see
-    (the prefix, then its ancestors in order: the same tensor a decode step would see). SDPA on CPU
-    is batch-invariant, so nodes with the same number of visible keys share one call.
+    Each node instead runs transformers' SDPA with a single query over exactly the keys a decode
+    step at its position would see: the prefix, then its ancestors in order. SDPA results can
+    depend on the batch size, so nodes are not batched. A chain node's keys are a contiguous slice
+    of the cache (no copy); a tree node's are gathered.
     """
     prefix = key.shape[2] - tail_mask.shape[0]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    counts = tail_mask.sum(dim=-1)
-    for count in counts.unique().tolist():
-        nodes = (counts == count).nonzero().flatten()
-        seen = tail_mask[nodes].nonzero()[:, 1].view(nodes.shape[0], count) + prefix
-        index = torch.cat([torch.arange(prefix, device=seen.device).expand(nodes.shape[0], prefix), seen], dim=1)
-        keys = key[0][:, index].transpose(0, 1).contiguous()
-        values = value[0][:, index].transpose(0, 1).contiguous()
-        queries = query[0][:, nodes, None].transpose(0, 1)
-        attended, _ = sdpa_attention_forward(module, queries, keys, values, None, dropout=dropout, scaling=scaling, **kwargs)
-        out[0, nodes] = attended[:, 0]
+    for node, row in enumerate(tail_mask.cpu()):
+        visible = row.nonzero().flatten()
+        if visible.shape[0] == int(visible[-1]) + 1:  # ancestors are the block's first entries: a chain
+            keys, values = key[:, :, : prefix + visible.shape[0]], value[:, :, : prefix + visible.shape[0]]
+        else:
+            index = torch.cat([torch.arange(prefix), prefix + visible]).to(key.device)
+            keys, values = key.index_select(2, index), value.index_select(2, index)
+        attended, _ = sdpa_attention_forward(
+            module, query[:, :, node : node + 1], keys, values, None, dropout=dropout, scaling=scaling, **kwargs
+        )
+        out[:, node] = attended[:, 0]
     return out, None
 
 

@@ -186,8 +186,10 @@ def test_mismatched_drafter_falls_back_with_bounded_waste(mode, caplog):
         out = target.generate(prompt, do_sample=False, max_new_tokens=200, assistant_model=drafter)
     assert torch.equal(out, plain(target, prompt, max_new_tokens=200))
     stats = drafter.speculation_stats
-    # windows of 4 speculative steps, then 8, 16, 32, 64, 128 plain steps: at most 6 probing windows
-    assert stats.fallbacks >= 1 and stats.speculative_forwards <= 4 * 6
+    # probing windows of 4 speculative steps between 8, 16, 32, 64, 128 plain steps; a lucky window
+    # (a random tree does hit now and then) halves the backoff, so allow a few more windows
+    assert stats.fallbacks >= 1 and stats.speculative_forwards <= 4 * 10
+    assert stats.plain_steps >= 150
     assert sum("slower than plain decoding" in r.message for r in caplog.records) == 1
 
 

@@ -1,0 +1,186 @@
+"""Drafting, verification building blocks and runtime control, each against a plain reference."""
+
+import pytest
+import torch
+from tiny_models import PROMPTS, make_drafter, make_target, trained_pair
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
+from hf_eagle31.features import capture_request, select_features
+from hf_eagle31.kernels.tree_attention import tree_attention_reference
+from hf_eagle31.verification import compact_cache, decode_equivalent_attention
+
+
+def context(target, drafter, prompt):
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=capture_request(drafter.config.target_layer_ids))
+    features = select_features(out.hidden_states, drafter.config.target_layer_ids)
+    root = out.logits[:, -1].argmax(-1, keepdim=True)
+    return features, torch.cat([prompt[:, 1:], root], dim=1), root
+
+
+@torch.no_grad()
+def path_log_probs(drafter, features, tokens, path):
+    """Draft log-probabilities after `path`, by running the drafter on the whole path from scratch."""
+    out = drafter(tokens, features)
+    hidden, logits = out.hidden_states[:, -1:], out.logits[:, -1:]
+    cache = DynamicCache()
+    drafter(tokens, features, past_key_values=cache)
+    for token in path:
+        out = drafter(torch.tensor([[token]]), hidden, past_key_values=cache)
+        hidden, logits = out.hidden_states, out.logits
+    return torch.log_softmax(logits[0, -1].float(), -1)
+
+
+def reference_tree(drafter, features, tokens, depth, top_k, total):
+    """EAGLE-2 tree selection written the slow, obvious way: one drafter run per expanded node."""
+    pool = {}  # path (draft ids) -> score
+    frontier = [((), 0.0)]
+    for _ in range(depth):
+        candidates = {}
+        for path, score in frontier:
+            log_probs = path_log_probs(drafter, features, tokens, [int(drafter.draft_to_target(torch.tensor(t))) for t in path])
+            values, ids = log_probs.topk(top_k)
+            for value, draft_id in zip(values.tolist(), ids.tolist()):
+                candidates[path + (draft_id,)] = score + value
+        pool.update(candidates)
+        frontier = sorted(candidates.items(), key=lambda kv: -kv[1])[:top_k]
+    return {path for path, _ in sorted(pool.items(), key=lambda kv: -kv[1])[:total]}
+
+
+def tree_paths(tree: DraftTree, drafter) -> set[tuple[int, ...]]:
+    paths, parents = set(), tree.parents.tolist()
+    for node in range(1, len(tree)):
+        path, walk = [], node
+        while walk > 0:
+            path.append(int(tree.tokens[walk]))
+            walk = parents[walk]
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_batched_tree_drafting_matches_the_one_node_at_a_time_reference(eagle31):
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=eagle31, draft_vocab_size=200)
+    drafter.d2t[:] = 56  # draft id i is target id i + 56: exercises the vocabulary map
+    features, tokens, root = context(target, drafter, PROMPTS[0:1])
+    state = DrafterState(drafter)
+    state.push(features, tokens)
+    tree = draft_tree(state, root[0], depth=4, top_k=3, total_tokens=12)
+    assert len(tree) == 13 and tree.depth <= 4
+    reference = reference_tree(drafter, features, tokens, depth=4, top_k=3, total=12)
+    expected = {tuple(t + 56 for t in path) for path in reference}
+    assert tree_paths(tree, drafter) == expected
+    assert all(p < n for n, p in enumerate(tree.parents.tolist()) if n > 0)  # parents precede children
+
+
+def test_draft_chain_equals_step_by_step_drafting():
+    target = make_target("qwen2")
+    drafter = make_drafter(target, eagle31=True)
+    features, tokens, _ = context(target, drafter, PROMPTS[1:2])
+    state = DrafterState(drafter)
+    state.push(features, tokens)
+    chain, logits = draft_chain(state, 4, lambda row: row.argmax(-1, keepdim=True))
+    path = []
+    for step in range(4):
+        expected = path_log_probs(drafter, features, tokens, path).argmax()
+        assert int(chain[0, step]) == int(expected)
+        path.append(int(expected))
+    assert logits.shape == (1, 4, drafter.config.draft_vocab_size)
+
+
+def test_drafter_state_drops_draft_entries_and_keeps_real_ones():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    features, tokens, _ = context(target, drafter, PROMPTS[2:3])
+    state = DrafterState(drafter)
+    state.push(features[:, :4], tokens[:, :4])
+    draft_chain(state, 3, lambda row: row.argmax(-1, keepdim=True))
+    state.push(features[:, 4:], tokens[:, 4:])
+    hidden, logits = state.catch_up()
+    fresh = drafter(tokens, features)
+    assert state.cache.get_seq_length() == tokens.shape[1]
+    torch.testing.assert_close(logits[0, -1], fresh.logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_ancestor_mask_matches_a_hand_built_one():
+    #      0
+    #    1   2
+    #  3  4   5
+    #  6
+    tree = DraftTree(torch.arange(7), torch.tensor([-1, 0, 0, 1, 1, 2, 3]), torch.tensor([0, 1, 1, 2, 2, 2, 3]))
+    expected = torch.zeros(7, 7, dtype=torch.bool)
+    for node, ancestors in {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5], 6: [0, 1, 3, 6]}.items():
+        expected[node, ancestors] = True
+    assert torch.equal(tree.ancestor_mask(), expected)
+
+
+def test_compact_cache_keeps_the_accepted_entries_in_order():
+    cache = DynamicCache()
+    keys = torch.arange(2 * 10 * 3, dtype=torch.float).view(1, 2, 10, 3)
+    cache.update(keys, -keys, 0)
+    compact_cache(cache, start=4, keep=torch.tensor([0, 2, 5]))
+    kept = [0, 1, 2, 3, 4, 6, 9]
+    assert torch.equal(cache.layers[0].keys, keys[:, :, kept]) and torch.equal(cache.layers[0].values, -keys[:, :, kept])
+
+
+class _Attention:
+    is_causal, num_key_value_groups, training = True, 2, False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_equivalent_attention_equals_one_token_decoding_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    prefix, n = 20, 6
+    key = torch.randn(1, 2, prefix + n, 16, dtype=dtype)
+    value, query = torch.randn_like(key), torch.randn(1, 4, n, 16, dtype=dtype)
+    tree = DraftTree(torch.arange(n), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]))
+    mask = tree.ancestor_mask()
+    out, _ = decode_equivalent_attention(_Attention(), query, key, value, mask, 0.25, 0.0)
+    for node in range(n):
+        seen = list(range(prefix)) + [prefix + j for j in mask[node].nonzero().flatten().tolist()]
+        decode_query = query[:, :, node : node + 1].transpose(1, 2).contiguous().transpose(1, 2)  # as q_proj lays it out
+        single, _ = sdpa_attention_forward(_Attention(), decode_query, key[:, :, seen], value[:, :, seen], None, scaling=0.25)
+        assert torch.equal(out[:, node], single[:, 0])
+    reference = tree_attention_reference(query.float(), key.float(), value.float(), mask, 0.25).transpose(1, 2)
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+def test_length_controller_is_bounded_deterministic_and_responsive():
+    def run(history):
+        controller = LengthController(low=1, high=8, value=4)
+        return [controller.update(proposed, accepted) for proposed, accepted in history]
+
+    good = [(4, 4)] * 10
+    bad = [(4, 0)] * 10
+    assert run(good)[-1] == 8 and run(bad)[-1] == 1
+    mixed = [(4, 4), (4, 0), (5, 3), (6, 1)] * 5
+    lengths = run(mixed)
+    assert lengths == run(mixed) and all(1 <= length <= 8 for length in lengths)
+
+
+def test_collapse_monitor_backs_off_exponentially_and_recovers():
+    monitor = CollapseMonitor(window=2, initial_backoff=4, max_backoff=16)
+    plain_runs = []
+    for _ in range(4):  # useless speculation: one token per step, slower than a plain step
+        for _ in range(2):
+            monitor.record_speculative(emitted=1, seconds=2.0, verify_seconds=1.0)
+        assert not monitor.should_speculate()
+        runs = 0
+        while not monitor.should_speculate():
+            monitor.record_plain(1.0)
+            runs += 1
+        plain_runs.append(runs)
+    assert plain_runs == [4, 8, 16, 16] and monitor.fallbacks == 4
+    for _ in range(2):  # now speculation pays: 3 tokens in 1.5 plain-step times
+        monitor.record_speculative(emitted=3, seconds=1.5, verify_seconds=1.0)
+    assert monitor.should_speculate() and monitor.backoff == 8
+
+
+def test_tree_mode_uses_the_draft_vocabulary_map():
+    target, drafter = trained_pair("llama", True)
+    assert torch.equal(drafter.d2t, torch.zeros_like(drafter.d2t))  # identity map: trivially consistent
+    assert drafter.draft_to_target(torch.tensor([5])).item() == 5

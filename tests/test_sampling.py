@@ -1,0 +1,95 @@
+"""With sampling, EAGLE's output distribution is exactly the target's.
+
+The reference is exact, not another sample: the joint probability of the first three generated
+tokens under the target's processed distribution (the same warpers `generate` applies), computed by
+enumerating the support. EAGLE samples from many seeds are checked against it with a chi-square
+goodness-of-fit test at significance 0.001; a negative control shows the test rejects a sampler
+whose distribution is slightly off.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_models import PROMPTS, trained_pair
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import hf_eagle31  # noqa: F401
+
+ALPHA = 1e-3
+SAMPLES = 2000
+TEMPERATURE, TOP_K = 0.9, 12
+
+
+def exact_joint(target, prompt, temperature, top_k, length=3) -> dict[tuple[int, ...], float]:
+    """P(x1..x_length | prompt) under temperature + top-k, by enumerating every supported prefix."""
+    warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    prefixes = {(): 1.0}
+    for _ in range(length):
+        keys = list(prefixes)
+        batch = torch.cat([prompt.expand(len(keys), -1), torch.tensor([list(k) for k in keys], dtype=torch.long).view(len(keys), -1)], 1)
+        with torch.no_grad():
+            logits = target(batch).logits[:, -1].float()
+        probs = torch.softmax(warp(batch, logits), dim=-1)
+        prefixes = {
+            key + (token,): prefixes[key] * float(probs[row, token])
+            for row, key in enumerate(keys)
+            for token in probs[row].nonzero().flatten().tolist()
+        }
+    return prefixes
+
+
+def sample_counts(target, drafter, prompt, temperature, top_k) -> tuple[dict[tuple[int, ...], int], int]:
+    """Counts of the generated 3-token continuations, and how many draft tokens were accepted in all."""
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(SAMPLES):
+        torch.manual_seed(seed)
+        out = target.generate(
+            prompt, do_sample=True, temperature=temperature, top_k=top_k, top_p=None, max_new_tokens=3,
+            assistant_model=drafter,
+        )
+        key = tuple(out[0, prompt.shape[1]:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        stats = drafter.speculation_stats
+        accepted += stats.speculative_tokens - stats.speculative_forwards
+    return counts, accepted
+
+
+def goodness_of_fit(counts, probabilities) -> float:
+    """Chi-square p-value; outcomes with expected count < 5 are pooled into one bin."""
+    observed, expected, rest_observed, rest_expected = [], [], 0, 0.0
+    total = sum(probabilities.values())  # 1 up to float rounding
+    for key, p in probabilities.items():
+        p /= total
+        if p * SAMPLES >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(p * SAMPLES)
+        else:
+            rest_observed += counts.get(key, 0)
+            rest_expected += p * SAMPLES
+    observed.append(rest_observed + sum(c for k, c in counts.items() if k not in probabilities))
+    expected.append(rest_expected)
+    assert len(observed) >= 8, "too few bins for a meaningful test"
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module", params=["chain", "tree"])
+def eagle_samples(request):
+    target, drafter = trained_pair("llama", True, speculation_mode=request.param, collapse_fallback=False)
+    prompt = PROMPTS[0:1]
+    counts, accepted = sample_counts(target, drafter, prompt, TEMPERATURE, TOP_K)
+    return target, accepted, prompt, counts
+
+
+def test_sampling_matches_the_target_distribution(eagle_samples):
+    target, accepted, prompt, counts = eagle_samples
+    assert accepted > SAMPLES // 4, "draft tokens were rarely accepted: the acceptance path went untested"
+    p_value = goodness_of_fit(counts, exact_joint(target, prompt, TEMPERATURE, TOP_K))
+    assert p_value > ALPHA, f"EAGLE samples do not follow the target distribution (p = {p_value:.2e})"
+
+
+def test_the_test_rejects_a_wrong_distribution(eagle_samples):
+    """Negative control: the same samples against the distribution at a slightly different temperature."""
+    target, _, prompt, counts = eagle_samples
+    p_value = goodness_of_fit(counts, exact_joint(target, prompt, TEMPERATURE * 1.25, TOP_K))
+    assert p_value < ALPHA
