@@ -52,9 +52,13 @@ def tree_attention(
     tail_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere. Same contract as the reference."""
-    if query.is_cuda:
-        from .tree_attention_triton import tree_attention_triton
+    """Dispatch: the Triton kernel on CUDA for the head dims and dtypes it covers, else the torch reference.
 
-        return tree_attention_triton(query, key, value, tail_mask, scale)
+    Same contract as the reference.
+    """
+    if query.is_cuda:
+        from .tree_attention_triton import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, tree_attention_triton
+
+        if query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in SUPPORTED_DTYPES:
+            return tree_attention_triton(query, key, value, tail_mask, scale)
     return tree_attention_reference(query, key, value, tail_mask, scale)
