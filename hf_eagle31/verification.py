@@ -50,28 +50,31 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
 
 
 def decode_equivalent_attention(module, query, key, value, tail_mask, scaling, dropout, **kwargs):
-    """The verify block's attention computed the way one-token decoding computes it, bit for bit.
+    """The verify block's attention computed the way one-token decoding computes it.
 
     Why: one batched attention over the block sums in a different order than a decode step does,
     and in bf16 that flips near-tied argmaxes, so greedy output would drift from plain `generate`.
     Each node instead runs transformers' SDPA with a single query over exactly the keys a decode
-    step at its position would see: the prefix, then its ancestors in order. SDPA results can
-    depend on the batch size, so nodes are not batched. A chain node's keys are a contiguous slice
-    of the cache (no copy); a tree node's are gathered.
+    step at its position would see: the prefix, then its ancestors in order. Nodes that see the
+    same number of keys share one batched call: on CPU, SDPA is batch-invariant in bf16/fp16, so
+    this is bit-exact there; in fp32 batching can change the last bit (~1e-8 relative).
+    A chain node's keys are a contiguous slice of the cache (no copy); a tree node's are gathered.
     """
     prefix = key.shape[2] - tail_mask.shape[0]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for node, row in enumerate(tail_mask.cpu()):
-        visible = row.nonzero().flatten()
-        if visible.shape[0] == int(visible[-1]) + 1:  # ancestors are the block's first entries: a chain
-            keys, values = key[:, :, : prefix + visible.shape[0]], value[:, :, : prefix + visible.shape[0]]
+    counts = tail_mask.sum(dim=-1)
+    for count in counts.unique().tolist():
+        nodes = (counts == count).nonzero().flatten()
+        visible = tail_mask[nodes].nonzero()[:, 1].view(nodes.shape[0], count)
+        if nodes.shape[0] == 1 and int(visible[0, -1]) == count - 1:  # a chain node
+            keys, values = key[:, :, : prefix + count], value[:, :, : prefix + count]
         else:
-            index = torch.cat([torch.arange(prefix), prefix + visible]).to(key.device)
-            keys, values = key.index_select(2, index), value.index_select(2, index)
-        attended, _ = sdpa_attention_forward(
-            module, query[:, :, node : node + 1], keys, values, None, dropout=dropout, scaling=scaling, **kwargs
-        )
-        out[:, node] = attended[:, 0]
+            index = torch.cat([torch.arange(prefix, device=visible.device).expand(nodes.shape[0], -1), prefix + visible], 1)
+            keys = key[0][:, index].transpose(0, 1).contiguous()
+            values = value[0][:, index].transpose(0, 1).contiguous()
+        queries = query[0].transpose(0, 1)[nodes, :, None]  # [g, heads, 1, dim], laid out like a decode step's
+        attended, _ = sdpa_attention_forward(module, queries, keys, values, None, dropout=dropout, scaling=scaling, **kwargs)
+        out[0, nodes] = attended[:, 0]
     return out, None
 
 
