@@ -7,7 +7,10 @@ import importlib
 import sys
 
 # subcommand -> module exposing `configure_parser(parser)` and `run(args) -> int | None`
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "train": "hf_eagle31.training.command",
+    "card": "hf_eagle31.model_cards.card",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

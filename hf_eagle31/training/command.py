@@ -1,0 +1,73 @@
+"""Train an EAGLE-3 / EAGLE 3.1 drafter for a target model (self-distillation with training-time test).
+
+`hf-eagle31 train --target DIR --data FILE.jsonl --out DIR [...]`; `accelerate launch -m
+hf_eagle31.cli train ...` runs the same command on several GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hf_eagle31.training.trainer import ARCHITECTURES, MAX_TTT_STEPS, TrainingConfig, train_drafter
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Train an EAGLE-3 / EAGLE 3.1 drafter for a target model."""
+    defaults = TrainingConfig()
+    add = parser.add_argument
+    add("--target", required=True, help="the target model (folder or Hub id), with its tokenizer")
+    add("--data", required=True, help="JSONL of prompts ({'turns': [...]}, answered by the target) or {'text': ...} lines")
+    add("--out", required=True, help="output folder: the drafter, train_log.csv, checkpoints/, README.md")
+    add("--drafter", help="continue training this drafter instead of starting a new one")
+    add("--arch", choices=sorted(ARCHITECTURES), default=defaults.arch)
+    add("--draft-vocab-size", type=int, help="keep the N most frequent answer tokens (default: the full vocabulary)")
+    add("--ttt-steps", type=int, default=defaults.ttt_steps, help=f"draft steps unrolled in training (1..{MAX_TTT_STEPS})")
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--steps", type=int, help="optimizer steps of stage 1")
+    budget.add_argument("--epochs", type=int, help="epochs of stage 1")
+    add("--acceptance-steps", type=int, default=0, help="optimizer steps of stage 2 (maximise expected accepted length)")
+    add("--lr", type=float, default=defaults.lr)
+    add("--batch-size", type=int, default=defaults.batch_size)
+    add("--grad-accum", type=int, default=defaults.grad_accum)
+    add("--max-length", type=int, default=defaults.max_length, help="tokens per training sequence (longer ones are cut)")
+    add("--answer-max-new-tokens", type=int, default=defaults.answer_max_new_tokens)
+    add("--answer-temperature", type=float, default=defaults.answer_temperature, help="0: greedy answers")
+    add("--mixed-precision", choices=["no", "bf16", "fp16"], default=defaults.mixed_precision)
+    add("--save-every", type=int, default=defaults.save_every, help="checkpoint every N optimizer steps")
+    add("--feature-cache", help="folder for an offline cache of target features (default: computed online)")
+    add("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    add("--seed", type=int, default=defaults.seed)
+
+
+def load_target(name: str):
+    """The target and its tokenizer (None if it has none), with a clear error for an unreadable folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        target = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load the target model {name}: {err}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError):
+        tokenizer = None
+    return target, tokenizer
+
+
+def run(args: argparse.Namespace) -> None:
+    from hf_eagle31.modeling import Eagle3DraftModel
+
+    target, tokenizer = load_target(args.target)
+    drafter = None
+    if args.drafter:
+        try:
+            drafter = Eagle3DraftModel.from_pretrained(args.drafter)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot load the drafter {args.drafter}: {err}") from None
+    names = {"arch", "draft_vocab_size", "ttt_steps", "steps", "epochs", "acceptance_steps", "lr", "batch_size",
+             "grad_accum", "max_length", "answer_max_new_tokens", "answer_temperature", "mixed_precision",
+             "save_every", "feature_cache", "resume", "seed"}
+    config = TrainingConfig(**{name: getattr(args, name) for name in names})
+    train_drafter(target, args.data, args.out, tokenizer=tokenizer, drafter=drafter, config=config)
+    print(f"saved the drafter to {Path(args.out)}")

@@ -1,0 +1,389 @@
+"""Train an EAGLE-3 / EAGLE 3.1 drafter against a frozen target: `train_drafter(target, data, out_dir)`.
+
+Stage 1 distils the target into the drafter with the training-time-test unroll (ttt.py): forward
+KL per draft step against the target's distribution over the draft vocabulary, weighted by
+`loss_decay ** k`. Stage 2 (optional, `acceptance_steps`) maximises the expected accepted length
+sum_k prod_{j<=k} alpha_j directly. accelerate runs it all: mixed precision, gradient
+accumulation, `accelerate launch` for several GPUs, and `save_state` checkpoints from which an
+interrupted run resumes at the step it last saved, on the same batches.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin, gather_object, set_seed
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from hf_eagle31.configuration import Eagle3Config
+from hf_eagle31.generation import prepare_drafter
+from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.training.data import (
+    EpochShuffle,
+    SequenceDataset,
+    TrainingSequence,
+    collate,
+    encode_examples,
+    fit_length,
+    load_sequences,
+    read_examples,
+    save_sequences,
+    self_distill,
+)
+from hf_eagle31.training.feature_cache import build_feature_cache
+from hf_eagle31.training.losses import acceptance_loss, ahead, distillation_losses, masked_mean, step_mask
+from hf_eagle31.training.teacher import draft_vocab_ids, target_logits, target_states
+from hf_eagle31.training.ttt import Unrolled
+from hf_eagle31.training.vocab import build_draft_vocab, token_counts
+
+ARCHITECTURES = {"eagle3": False, "eagle3.1": True}  # --arch -> both 3.1 switches on?
+MAX_TTT_STEPS = 7
+DISTILLED = "distilled.jsonl"  # the self-distilled sequences, reused on resume
+LOG = "train_log.csv"
+STATE = "trainer_state.json"  # written last into each checkpoint: its presence marks it complete
+TRAINING_ARGS = "training_args.json"  # what the model card reports about training
+
+
+@dataclass
+class TrainingConfig:
+    """Settings of one training run (the CLI flags of `hf-eagle31 train`)."""
+
+    arch: str = "eagle3.1"
+    draft_vocab_size: int | None = None  # None: the full target vocabulary
+    ttt_steps: int = 4
+    steps: int | None = None  # stage-1 optimizer steps; or give `epochs`
+    epochs: int | None = None
+    lr: float = 1e-4
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_length: int = 2048
+    answer_max_new_tokens: int = 256
+    answer_temperature: float = 0.0  # 0: the target answers greedily
+    acceptance_steps: int = 0  # stage-2 optimizer steps
+    loss_decay: float = 0.8
+    warmup_steps: int | None = None  # None: 10% of stage 1, at most 100
+    save_every: int = 500
+    mixed_precision: str = "no"
+    seed: int = 0
+    feature_cache: str | None = None
+    resume: bool = False
+
+    def validate(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
+        if not 1 <= self.ttt_steps <= MAX_TTT_STEPS:
+            raise ValueError(f"ttt_steps must be between 1 and {MAX_TTT_STEPS}, got {self.ttt_steps}")
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of steps and epochs")
+        if (self.steps or 0) < 0 or (self.epochs or 0) < 0 or self.acceptance_steps < 0:
+            raise ValueError("steps, epochs and acceptance_steps cannot be negative")
+        if (self.steps or self.epochs or 0) + self.acceptance_steps == 0:
+            raise ValueError("nothing to train: steps/epochs and acceptance_steps are all 0")
+        if self.max_length < 3:
+            raise ValueError(f"max_length must be at least 3 tokens, got {self.max_length}")
+
+
+def drafter_config_for(target: PreTrainedModel, arch: str = "eagle3.1", draft_vocab_size: int | None = None,
+                       **overrides) -> Eagle3Config:
+    """A drafter shaped like one decoder layer of `target`, reading its default low/mid/high layers."""
+    tc = target.config.get_text_config()
+    fields_ = dict(
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        hidden_size=tc.hidden_size,
+        target_hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None),
+        head_dim=getattr(tc, "head_dim", None),
+        hidden_act=getattr(tc, "hidden_act", "silu"),
+        max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_parameters=getattr(tc, "rope_parameters", None),
+        num_target_layers=tc.num_hidden_layers,
+        fc_norm=ARCHITECTURES[arch],
+        norm_output=ARCHITECTURES[arch],
+        pad_token_id=tc.pad_token_id,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+    )
+    fields_.update(overrides)
+    return Eagle3Config(**fields_)
+
+
+# --- checkpoints and the log ---------------------------------------------------------------------
+
+
+def latest_checkpoint(out_dir: Path) -> tuple[Path, int] | None:
+    """The newest complete checkpoint and its step, checked readable before any long work starts."""
+    complete = sorted((out_dir / "checkpoints").glob(f"step_*/{STATE}"))
+    if not complete:
+        return None
+    folder = complete[-1].parent
+    try:
+        step = int(json.loads((folder / STATE).read_text())["step"])
+        for weights in folder.glob("*.safetensors"):
+            with safe_open(str(weights), framework="pt"):
+                pass
+    except Exception as err:  # any failure to read it: one clear message
+        raise ValueError(f"checkpoint {folder} is unreadable ({type(err).__name__}: {err}); "
+                         "delete it to resume from an earlier one") from None
+    return folder, step
+
+
+def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int, keep: int = 2) -> None:
+    folder = out_dir / "checkpoints" / f"step_{step:08d}"
+    accelerator.save_state(str(folder))
+    if accelerator.is_main_process:
+        (folder / STATE).write_text(json.dumps({"step": step}))
+        for old in sorted((out_dir / "checkpoints").glob("step_*"))[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+class CsvLog:
+    """One row per optimizer step; a resumed run drops the rows logged after its checkpoint."""
+
+    def __init__(self, path: Path, ttt_steps: int, resume_step: int, enabled: bool):
+        self.path, self.enabled = path, enabled
+        self.columns = ["step", "stage", "lr", "loss"] + [
+            f"{name}_{k}" for name in ("kl", "alpha", "acc") for k in range(ttt_steps)
+        ]
+        if not enabled:
+            return
+        kept = []
+        if resume_step and path.exists():
+            with path.open() as f:
+                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, self.columns)
+            writer.writeheader()
+            writer.writerows(kept)
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with self.path.open("a", newline="") as f:
+                csv.DictWriter(f, self.columns).writerow(row)
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def training_sequences(target: PreTrainedModel, data, tokenizer, config: TrainingConfig, out_dir: Path,
+                       accelerator: Accelerator) -> list[TrainingSequence]:
+    """Tokenized records, prompts answered by the target (split across processes); reused on resume."""
+    saved = out_dir / DISTILLED
+    if config.resume and saved.exists():
+        return load_sequences(saved)
+    examples = read_examples(data)
+    context = target.config.get_text_config().max_position_embeddings
+    prompts, texts = encode_examples(examples, tokenizer, context)
+    vocab = target.config.get_text_config().vocab_size
+    if any(not 0 <= i < vocab for s in texts for i in s.input_ids):
+        raise ValueError(f"the training data holds token ids outside the target's vocabulary of {vocab} tokens")
+    answered = []
+    if prompts:
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            eos = target.generation_config.eos_token_id
+            pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
+        with accelerator.split_between_processes(prompts) as mine:
+            answered = self_distill(target, mine, config.answer_max_new_tokens, config.batch_size,
+                                    config.answer_temperature, pad)
+        answered = gather_object(answered) if accelerator.num_processes > 1 else answered
+    sequences = fit_length(answered + texts, config.max_length)
+    if not sequences:
+        raise ValueError("the training data is empty: no sequence has a token to learn within max_length")
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_sequences(sequences, saved)
+    return sequences
+
+
+def new_drafter(target: PreTrainedModel, config: TrainingConfig, sequences: list[TrainingSequence]) -> Eagle3DraftModel:
+    drafter = Eagle3DraftModel(drafter_config_for(target, config.arch, config.draft_vocab_size))
+    if config.draft_vocab_size is not None:
+        d2t, t2d = build_draft_vocab(token_counts(sequences, drafter.config.vocab_size), config.draft_vocab_size)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+    return drafter
+
+
+# --- one step ------------------------------------------------------------------------------------
+
+
+def training_step(model, drafter: Eagle3DraftModel, target: PreTrainedModel, batch: dict, config: TrainingConfig,
+                  acceptance_stage: bool) -> tuple[torch.Tensor, dict]:
+    """The loss of one batch and what to log about it."""
+    ids, mask = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]
+    if "features" in batch:
+        features, last = batch["features"], batch["last_hidden"]
+    else:
+        features, last = target_states(target, ids, batch["attention_mask"], drafter.config.target_layer_ids)
+    steps = model(features, ids, config.ttt_steps)
+    draft_ids = draft_vocab_ids(drafter)
+    row = {}
+    if acceptance_stage:
+        full = target_logits(target, last)
+        loss, alpha = acceptance_loss(steps, full, draft_ids, mask)
+        restricted = full[..., draft_ids.to(full.device)]
+        row.update({f"alpha_{k}": a for k, a in enumerate(alpha.detach().tolist())})
+    else:
+        restricted = target_logits(target, last, draft_ids)
+        kl = distillation_losses(steps, restricted, mask)
+        loss = (kl * config.loss_decay ** torch.arange(len(steps), device=kl.device)).sum()
+        row.update({f"kl_{k}": v for k, v in enumerate(kl.detach().tolist())})
+    for k, logits in enumerate(steps):
+        length = logits.shape[1]
+        match = (logits.argmax(-1) == ahead(restricted.argmax(-1), k + 1, length).to(logits.device)).float()
+        row[f"acc_{k}"] = float(masked_mean(match, step_mask(mask, k, length)))
+    return loss, row
+
+
+def lr_factor(step: int, warmup: int, stage1_steps: int) -> float:
+    """Linear warmup, cosine decay to 10% over stage 1, then 10% through stage 2."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if step >= stage1_steps:
+        return 0.1
+    progress = (step - warmup) / max(1, stage1_steps - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def train_drafter(
+    target: PreTrainedModel,
+    data,
+    out_dir: str | Path,
+    tokenizer=None,
+    drafter: Eagle3DraftModel | None = None,
+    config: TrainingConfig | None = None,
+    **settings,
+) -> Eagle3DraftModel:
+    """Train a drafter for `target` and save it to `out_dir` (with its log, checkpoints and model card).
+
+    Args:
+        target: the frozen target model (any transformers causal LM of the Llama/Qwen/Mistral kind).
+        data: a JSONL path or an iterable of records (see `hf_eagle31.training.data`).
+        tokenizer: the target's tokenizer; needed to read the records.
+        drafter: a drafter to continue training (its architecture and vocabulary are kept); a new
+            one shaped after the target otherwise.
+        config, settings: a `TrainingConfig`, and/or its fields as keywords.
+    """
+    config = replace(config or TrainingConfig(), **settings)
+    config.validate()
+    out_dir = Path(out_dir)
+    accelerator = Accelerator(
+        mixed_precision=config.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=config.grad_accum, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,
+    )
+    set_seed(config.seed)
+    target.requires_grad_(False).eval()
+    if getattr(target, "hf_device_map", None) is None and not getattr(target, "is_quantized", False):
+        target.to(accelerator.device)
+    if drafter is not None:
+        prepare_drafter(target, drafter)
+        if config.draft_vocab_size not in (None, drafter.config.draft_vocab_size):
+            raise ValueError(f"the given drafter has a draft vocabulary of {drafter.config.draft_vocab_size} tokens, "
+                             f"not {config.draft_vocab_size}; leave draft_vocab_size unset to keep it")
+    checkpoint = latest_checkpoint(out_dir) if config.resume else None
+
+    sequences = training_sequences(target, data, tokenizer, config, out_dir, accelerator)
+    if drafter is None:
+        drafter = new_drafter(target, config, sequences)
+        drafter.set_target_embedding(target.get_input_embeddings())
+    drafter.float().train()
+    if config.feature_cache:
+        with accelerator.main_process_first():
+            dataset = build_feature_cache(target, sequences, drafter.config.target_layer_ids, config.feature_cache,
+                                          config.batch_size)
+    else:
+        dataset = SequenceDataset(sequences)
+    sampler = EpochShuffle(len(dataset), config.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, collate_fn=collate)
+    model = Unrolled(drafter)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    stage1 = config.steps if config.steps is not None else config.epochs * math.ceil(len(loader) / config.grad_accum)
+    total = stage1 + config.acceptance_steps
+    warmup = config.warmup_steps if config.warmup_steps is not None else min(100, stage1 // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, stage1))
+    accelerator.register_for_checkpointing(scheduler)
+
+    step = 0
+    if checkpoint is not None:
+        try:
+            accelerator.load_state(str(checkpoint[0]))
+        except Exception as err:  # a corrupt or mismatched state: say which, not a torch traceback
+            raise ValueError(f"cannot resume from checkpoint {checkpoint[0]}: {type(err).__name__}: {err}") from None
+        step = checkpoint[1]
+    log = CsvLog(out_dir / LOG, config.ttt_steps, step, accelerator.is_main_process)
+    unwrapped = accelerator.unwrap_model(model).drafter
+    epoch, skip = divmod(step * config.grad_accum, len(loader))
+    progress = tqdm(total=total, initial=step, desc="training", unit="step", disable=not accelerator.is_local_main_process)
+    sums: dict[str, float] = {}
+    while step < total:
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+        skip = 0
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss, row = training_step(model, unwrapped, target, batch, config, step >= stage1)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            for key, value in {"loss": loss.item(), **row}.items():
+                sums[key] = sums.get(key, 0.0) + value / config.grad_accum
+            if not accelerator.sync_gradients:
+                continue
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            step += 1
+            log.write({"step": step, "stage": 2 if step > stage1 else 1, "lr": lr, **sums})
+            progress.set_postfix(loss=f"{sums['loss']:.4f}")
+            progress.update()
+            sums = {}
+            if step % config.save_every == 0 or step == total:
+                save_checkpoint(accelerator, out_dir, step)
+            if step >= total:
+                break
+        epoch += 1
+    progress.close()
+
+    accelerator.wait_for_everyone()
+    drafter = unwrapped.eval()
+    if accelerator.is_main_process:
+        drafter.save_pretrained(out_dir)
+        write_training_args(out_dir, target, data, config, sequences, total)
+        from hf_eagle31.model_cards.card import write_model_card
+
+        write_model_card(out_dir, base_model=target.name_or_path or None)
+    return drafter
+
+
+def write_training_args(out_dir: Path, target: PreTrainedModel, data, config: TrainingConfig,
+                        sequences: list[TrainingSequence], total_steps: int) -> None:
+    record = {
+        "target": target.name_or_path or type(target).__name__,
+        "data": str(data) if isinstance(data, (str, Path)) else f"{type(data).__name__} of records",
+        "sequences": len(sequences),
+        "answer_tokens": sum(sum(s.loss_mask) for s in sequences),
+        "optimizer_steps": total_steps,
+        **{f.name: getattr(config, f.name) for f in fields(config)},
+    }
+    (out_dir / TRAINING_ARGS).write_text(json.dumps(record, indent=2) + "\n")

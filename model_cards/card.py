@@ -1,0 +1,125 @@
+"""Write a Hub model card (README.md with metadata) for a drafter folder.
+
+`hf-eagle31 card DIR [--base-model ID] [--bench results.json]`; `hf-eagle31 train` writes one too.
+The card states what a user must know to pick a drafter: which target it serves, the EAGLE-3 /
+3.1 switches, the target layers it reads, its draft vocabulary, how it was trained (from the
+`training_args.json` that training leaves in the folder) and, given benchmark results, the
+measured acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from hf_eagle31.configuration import Eagle3Config
+
+TEMPLATE = Path(__file__).with_name("drafter_card_template.md")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HIDDEN_TRAINING_KEYS = {"resume", "feature_cache", "seed"}
+
+
+def _format(value) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def benchmark_rows(results) -> list[dict]:
+    """Table rows from benchmark results: one run or a list of runs (or `{"runs": [...]}`), each with
+    optional `name`, `tau`, `speedup` and per-depth acceptance as `acceptance_per_depth`
+    (`SpeculationStats.as_dict()`) or `acceptance` (`AcceptanceReport.as_dict()`)."""
+    runs = results.get("runs", [results]) if isinstance(results, dict) else list(results)
+    rows = []
+    for number, run in enumerate(runs, 1):
+        alpha = run.get("acceptance_per_depth", run.get("acceptance"))
+        if alpha is None:
+            raise ValueError(f"benchmark run {number} has no 'acceptance_per_depth' or 'acceptance' list")
+        rows.append({"name": run.get("name", run.get("mode", f"run {number}")), "tau": _format(run.get("tau")),
+                     "speedup": _format(run.get("speedup")), "alpha": [_format(float(a)) for a in alpha]})
+    depth = max(len(row["alpha"]) for row in rows)
+    for row in rows:
+        row["alpha"] += ["–"] * (depth - len(row["alpha"]))
+    return rows
+
+
+def _weight_bytes(folder: Path) -> str:
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return f"{size / 2**20:.1f} MiB" if size else "–"
+
+
+def write_model_card(
+    drafter_dir: str | Path,
+    base_model: str | None = None,
+    training: dict | None = None,
+    benchmark: str | Path | dict | list | None = None,
+    license: str = "apache-2.0",
+) -> ModelCard:
+    """Write `drafter_dir/README.md` and return the card.
+
+    Args:
+        base_model: the target's Hub id (metadata `base_model`); defaults to the target recorded in
+            `training_args.json` when that is a Hub id.
+        training: facts about training; defaults to `drafter_dir/training_args.json` when present.
+        benchmark: results (or a JSON file of them) for the acceptance table, see `benchmark_rows`.
+        license: set it to the target's license when that differs.
+    """
+    folder = Path(drafter_dir)
+    try:
+        if not (folder / "config.json").is_file():
+            raise OSError("no config.json")
+        config = Eagle3Config.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{folder} does not hold a drafter config: {err}") from None
+    args_file = folder / "training_args.json"
+    if training is None and args_file.exists():
+        training = json.loads(args_file.read_text())
+    if base_model is None and training and HUB_ID.match(str(training.get("target", ""))) \
+            and not Path(training["target"]).exists():
+        base_model = training["target"]
+    if isinstance(benchmark, (str, Path)):
+        try:
+            benchmark = json.loads(Path(benchmark).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read benchmark results {benchmark}: {err}") from None
+    rows = benchmark_rows(benchmark) if benchmark is not None else None
+    eagle31 = config.fc_norm or config.norm_output
+    arch_tag = "eagle3.1" if eagle31 else "eagle3"
+    card_data = ModelCardData(
+        library_name="hf-eagle31",
+        base_model=base_model,
+        license=license,
+        tags=["speculative-decoding", "eagle", arch_tag, "hf-eagle31", "transformers"],
+    )
+    card = ModelCard.from_template(
+        card_data,
+        template_path=str(TEMPLATE),
+        title=f"{'EAGLE 3.1' if eagle31 else 'EAGLE-3'} drafter{f' for {base_model}' if base_model else ''}",
+        arch_name="EAGLE 3.1" if eagle31 else "EAGLE-3",
+        base_model=base_model,
+        repo_hint=f"{base_model}-{arch_tag}-drafter" if base_model else str(folder),
+        config=config,
+        weight_bytes=_weight_bytes(folder),
+        training={k: _format(v) for k, v in (training or {}).items() if k not in HIDDEN_TRAINING_KEYS and v is not None},
+        benchmark=rows,
+        depths=len(rows[0]["alpha"]) if rows else 0,
+    )
+    card.save(folder / "README.md")
+    return card
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Write a model card (README.md) for a drafter folder."""
+    parser.add_argument("drafter_dir", help="folder of a saved drafter")
+    parser.add_argument("--base-model", help="the target model's Hub id")
+    parser.add_argument("--bench", help="benchmark results (JSON) for the acceptance table")
+    parser.add_argument("--license", default="apache-2.0", help="license id (use the target's)")
+
+
+def run(args: argparse.Namespace) -> None:
+    write_model_card(args.drafter_dir, base_model=args.base_model, benchmark=args.bench, license=args.license)
+    print(f"wrote {Path(args.drafter_dir) / 'README.md'}")

@@ -1,0 +1,64 @@
+"""Model cards: valid Hub metadata that parses back, and the facts a user picks a drafter by."""
+
+import json
+
+import pytest
+from huggingface_hub import ModelCard
+from tiny_models import make_drafter, make_target
+
+from hf_eagle31.cli import main as cli_main
+from hf_eagle31.model_cards.card import write_model_card
+
+
+@pytest.fixture()
+def drafter_dir(tmp_path):
+    target = make_target()
+    make_drafter(target, eagle31=True, draft_vocab_size=200).save_pretrained(tmp_path / "drafter")
+    return tmp_path / "drafter"
+
+
+def test_card_parses_back_with_metadata(drafter_dir):
+    write_model_card(drafter_dir, base_model="acme/tiny-llama", training={"sequences": 48, "ttt_steps": 4})
+    card = ModelCard.load(drafter_dir / "README.md")
+    assert card.data.base_model == "acme/tiny-llama"
+    assert card.data.library_name == "hf-eagle31"
+    assert card.data.license == "apache-2.0"
+    assert {"eagle3.1", "speculative-decoding"} <= set(card.data.tags)
+    text = card.text
+    assert "| `fc_norm` (per-layer RMSNorm of the captured states) | True |" in text
+    assert "| target layers read (`target_layer_ids`, index 0 = embedding output) | [2, 3, 3] |" in text
+    assert "| draft vocabulary / target vocabulary | 200 / 256 |" in text
+    assert "| sequences | 48 |" in text
+    assert "Measured acceptance" not in text
+
+
+def test_eagle3_card_and_acceptance_table_from_benchmark_file(tmp_path):
+    target = make_target()
+    folder = tmp_path / "eagle3"
+    make_drafter(target, eagle31=False).save_pretrained(folder)
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps({"runs": [
+        {"name": "chain", "tau": 2.5, "speedup": 1.8, "acceptance_per_depth": [0.8, 0.6, 0.4]},
+        {"name": "teacher-forced", "acceptance": [0.75, 0.5]},
+    ]}))
+    assert cli_main(["card", str(folder), "--base-model", "acme/tiny", "--bench", str(bench), "--license", "mit"]) == 0
+    card = ModelCard.load(folder / "README.md")
+    assert "eagle3" in card.data.tags and "eagle3.1" not in card.data.tags and card.data.license == "mit"
+    assert "| chain | 2.500 | 1.800 | 0.800 | 0.600 | 0.400 |" in card.text
+    assert "| teacher-forced | – | – | 0.750 | 0.500 | – |" in card.text
+
+
+def test_training_args_fill_the_card(drafter_dir):
+    (drafter_dir / "training_args.json").write_text(json.dumps({"target": "acme/base", "steps": 100, "resume": False}))
+    card = write_model_card(drafter_dir)
+    assert ModelCard.load(drafter_dir / "README.md").data.base_model == "acme/base"
+    assert "| steps | 100 |" in card.text and "resume" not in card.text
+
+
+def test_bad_inputs(tmp_path, drafter_dir, capsys):
+    with pytest.raises(ValueError, match="does not hold a drafter config"):
+        write_model_card(tmp_path)
+    with pytest.raises(ValueError, match="no 'acceptance_per_depth'"):
+        write_model_card(drafter_dir, benchmark={"tau": 2.0})
+    assert cli_main(["card", str(drafter_dir), "--bench", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read benchmark results" in capsys.readouterr().err
