@@ -79,6 +79,7 @@ class DraftTree:
     tokens: torch.Tensor  # [N] target-vocabulary ids
     parents: torch.Tensor  # [N] index of the parent node, -1 for the root
     depths: torch.Tensor  # [N] 0 for the root
+    ranks: torch.Tensor | None = None  # [N] score rank among all drafted candidates, -1 for the root
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -99,7 +100,7 @@ class DraftTree:
     @classmethod
     def root_only(cls, root_token: torch.Tensor) -> "DraftTree":
         zero = torch.zeros(1, dtype=torch.long, device=root_token.device)
-        return cls(root_token.reshape(1), zero - 1, zero)
+        return cls(root_token.reshape(1), zero - 1, zero, zero - 1)
 
 
 @torch.no_grad()
@@ -152,8 +153,14 @@ def _select_tree(
     parents: torch.Tensor,
     total_tokens: int,
 ) -> DraftTree:
-    """Keep the `total_tokens` best pool nodes; ties go to the earlier node, so every parent is kept."""
+    """Keep the `total_tokens` best pool nodes; ties go to the earlier node, so every parent is kept.
+
+    A node's score rank is recorded: the `n` best-ranked nodes are exactly the tree this draft would
+    have kept with `total_tokens = n`, which lets tuning evaluate smaller trees from one run.
+    """
     order = torch.sort(-scores, stable=True).indices[:total_tokens]
+    rank = torch.empty_like(parents)
+    rank[order] = torch.arange(order.shape[0], device=order.device)
     keep = order.sort().values  # pool order is level order: parents before children
     local = torch.full_like(parents, -1)
     local[keep] = torch.arange(1, keep.shape[0] + 1, device=keep.device)
@@ -167,4 +174,5 @@ def _select_tree(
         tokens=torch.cat([root_token.reshape(1), drafter.draft_to_target(draft_ids[keep]).to(device)]),
         parents=torch.cat([torch.tensor([-1], device=device), node_parents.to(device)]),
         depths=torch.tensor(depths, device=device),
+        ranks=torch.cat([torch.tensor([-1], device=device), rank[keep].to(device)]),
     )

@@ -24,9 +24,17 @@ class SpeculationStats:
     plain_seconds: float = 0.0
     reached: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    accepted_ranks: list[list[int]] = field(default_factory=list, repr=False)
 
-    def record_step(self, proposed_depth: int, accepted_depth: int, emitted: int, forwards: int = 1) -> None:
-        """Record one speculative step: a path `proposed_depth` deep was drafted, `accepted_depth` accepted."""
+    def record_step(
+        self, proposed_depth: int, accepted_depth: int, emitted: int, forwards: int = 1, ranks: list[int] | None = None
+    ) -> None:
+        """Record one speculative step: a path `proposed_depth` deep was drafted, `accepted_depth` accepted.
+
+        `ranks` are the score ranks of the accepted draft tokens (their position along a chain);
+        `hf_eagle31.tuning` uses them to evaluate smaller drafts from the same run.
+        """
+        self.accepted_ranks.append(list(range(accepted_depth)) if ranks is None else ranks)
         self.speculative_forwards += forwards
         self.speculative_tokens += emitted
         grow = proposed_depth - len(self.reached)

@@ -11,6 +11,7 @@ distributed exactly as the target's, and each step accepts a child with probabil
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,16 +26,43 @@ from hf_eagle31.kernels.tree_attention import tree_attention
 ATTENTION_NAME = "eagle_tree"
 
 
+@dataclass
+class VerifyPlan:
+    """Which cached keys each token of a verify block may see, worked out once per target forward.
+
+    `mask` is the block's `[n, n]` ancestor mask (keys before the block are visible to all). For
+    the CPU path, nodes are grouped by how many block keys they see: `groups` holds, per group,
+    the node indices and the visible block columns `[g, count]`. Every layer reuses the plan.
+    """
+
+    mask: torch.Tensor
+    groups: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "VerifyPlan":
+        counts = mask.sum(dim=-1)
+        groups = []
+        for count in counts.unique().tolist():
+            nodes = (counts == count).nonzero().flatten()
+            groups.append((nodes, mask[nodes].nonzero()[:, 1].view(nodes.shape[0], count)))
+        return cls(mask, groups)
+
+    @classmethod
+    @functools.lru_cache(maxsize=64)
+    def causal(cls, n: int, device: torch.device) -> "VerifyPlan":
+        return cls.from_mask(torch.ones(n, n, dtype=torch.bool, device=device).tril())
+
+
 def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function used while EAGLE decodes (`attn_implementation="eagle_tree"`).
 
     transformers builds no mask for it. A prefill or a one-token step is exactly transformers' SDPA
-    path; a verify block (a chain, or a tree whose `[n, n]` ancestor mask arrives as the
-    `eagle_tail_mask` forward kwarg) sees the cached prefix plus its own ancestors.
+    path; a verify block (a chain, or a tree whose `VerifyPlan` arrives as the `eagle_verify_plan`
+    forward kwarg) sees the cached prefix plus its own ancestors.
     """
-    tail_mask = kwargs.pop("eagle_tail_mask", None)
+    plan = kwargs.pop("eagle_verify_plan", None)
     n, total = query.shape[2], key.shape[2]
-    if tail_mask is None and n in (1, total):
+    if plan is None and n in (1, total):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     window = kwargs.get("sliding_window")
     if window is not None and total > window:
@@ -42,14 +70,13 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
             "EAGLE verification does not support sliding-window attention past the window "
             f"({total} > {window} tokens); use this target without an EAGLE drafter for such long inputs."
         )
-    if tail_mask is None:
-        tail_mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    plan = plan or VerifyPlan.causal(n, query.device)
     if query.is_cuda:
-        return tree_attention(query, key, value, tail_mask, scaling).transpose(1, 2).contiguous(), None
-    return decode_equivalent_attention(module, query, key, value, tail_mask, scaling, dropout, **kwargs)
+        return tree_attention(query, key, value, plan.mask, scaling).transpose(1, 2).contiguous(), None
+    return decode_equivalent_attention(module, query, key, value, plan, scaling, dropout, **kwargs)
 
 
-def decode_equivalent_attention(module, query, key, value, tail_mask, scaling, dropout, **kwargs):
+def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, scaling, dropout, **kwargs):
     """The verify block's attention computed the way one-token decoding computes it.
 
     Why: one batched attention over the block sums in a different order than a decode step does,
@@ -60,12 +87,10 @@ def decode_equivalent_attention(module, query, key, value, tail_mask, scaling, d
     this is bit-exact there; in fp32 batching can change the last bit (~1e-8 relative).
     A chain node's keys are a contiguous slice of the cache (no copy); a tree node's are gathered.
     """
-    prefix = key.shape[2] - tail_mask.shape[0]
+    prefix = key.shape[2] - plan.mask.shape[0]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    counts = tail_mask.sum(dim=-1)
-    for count in counts.unique().tolist():
-        nodes = (counts == count).nonzero().flatten()
-        visible = tail_mask[nodes].nonzero()[:, 1].view(nodes.shape[0], count)
+    for nodes, visible in plan.groups:
+        count = visible.shape[1]
         if nodes.shape[0] == 1 and int(visible[0, -1]) == count - 1:  # a chain node
             keys, values = key[:, :, : prefix + count], value[:, :, : prefix + count]
         else:
@@ -92,7 +117,7 @@ def verify_block(
     cache: Cache,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    tail_mask: torch.Tensor | None,
+    ancestor_mask: torch.Tensor,
     target_layer_ids: list[int],
 ) -> BlockOutput:
     """One target forward over the block (the target must be using `eagle_tree` attention)."""
@@ -102,7 +127,7 @@ def verify_block(
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=capture_request(target_layer_ids),
-        eagle_tail_mask=tail_mask,
+        eagle_verify_plan=VerifyPlan.from_mask(ancestor_mask),
     )
     return BlockOutput(out.logits[0].float(), select_features(out.hidden_states, target_layer_ids)[0])
 
@@ -139,9 +164,13 @@ def children_by_token(tree: DraftTree) -> list[dict[int, int]]:
 @dataclass
 class StepResult:
     tokens: list[int]  # emitted tokens, the last one is the bonus token
-    accepted: int  # draft tokens accepted
+    path: list[int]  # the accepted draft nodes, root excluded
     forwards: int  # target forwards spent
     stopped: bool  # a stopping criterion fired on one of the tokens
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
 
 
 def verify_tree(
@@ -164,6 +193,7 @@ def verify_tree(
     position_base = start  # the tree root sits at position `start`; node positions are start + depth
     children = children_by_token(tree)
     emitted: list[int] = []
+    walked: list[int] = []  # the root, then every accepted node
     forwards = 0
     root = 0
     while True:
@@ -180,6 +210,7 @@ def verify_tree(
         while True:
             token, stop = emit(node, out.logits[local[node]])
             emitted.append(token)
+            walked.append(node)
             kept.append(local[node])
             next_tokens.append(token)
             child = children[node].get(token)
@@ -194,6 +225,6 @@ def verify_tree(
         if stop or next_root is None:
             if not stop:
                 push_features(out.features[keep][None], torch.tensor([next_tokens], device=tree.tokens.device))
-            return StepResult(emitted, len(emitted) - 1, forwards, stop)
+            return StepResult(emitted, walked[1:], forwards, stop)
         push_features(out.features[keep][None], torch.tensor([next_tokens], device=tree.tokens.device))
         root = next_root

@@ -10,7 +10,7 @@ from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention_reference
-from hf_eagle31.verification import compact_cache, decode_equivalent_attention
+from hf_eagle31.verification import VerifyPlan, compact_cache, decode_equivalent_attention
 
 
 def context(target, drafter, prompt):
@@ -139,7 +139,7 @@ def test_decode_equivalent_attention_equals_one_token_decoding_bit_for_bit(dtype
     value, query = torch.randn_like(key), torch.randn(1, 4, n, 16, dtype=dtype)
     tree = DraftTree(torch.arange(n), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]))
     mask = tree.ancestor_mask()
-    out, _ = decode_equivalent_attention(_Attention(), query, key, value, mask, 0.25, 0.0)
+    out, _ = decode_equivalent_attention(_Attention(), query, key, value, VerifyPlan.from_mask(mask), 0.25, 0.0)
     for node in range(n):
         seen = list(range(prefix)) + [prefix + j for j in mask[node].nonzero().flatten().tolist()]
         decode_query = query[:, :, node : node + 1].transpose(1, 2).contiguous().transpose(1, 2)  # as q_proj lays it out
