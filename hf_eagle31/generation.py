@@ -299,7 +299,8 @@ def eagle_tree_decoding(
         if speculate:
             stats.draft_seconds += drafted - began
             stats.verify_seconds += done - drafted
-            stats.record_step(tree.depth, result.accepted, len(result.tokens), result.forwards)
+            ranks = tree.ranks[result.path].tolist()
+            stats.record_step(tree.depth, result.accepted, len(result.tokens), result.forwards, ranks)
             controller.update(tree.depth, result.accepted)
             monitor.record_speculative(len(result.tokens), done - began, done - drafted)
             stats.fallbacks = monitor.fallbacks
