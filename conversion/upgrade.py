@@ -1,0 +1,134 @@
+"""Upgrade an EAGLE-3 drafter to EAGLE 3.1: switch on `fc_norm` and `norm_output`, then fine-tune.
+
+`fc_norm` puts an RMSNorm with weight w_i in front of `fc` on each captured state g_i, so `fc`,
+trained on raw g_i, would suddenly see w_i * g_i / rms(g_i). The weights start where that is
+closest to g_i over calibration tokens: for one scale per layer, least squares,
+
+    argmin_w E ||w g / rms(g) - g||^2 = E[|g|^2 / rms(g)] / E[|g|^2 / rms(g)^2] = E[rms(g)],
+
+is the mean rms of g_i over the tokens, so fc(norm(g)) ~= fc(g) up to each token's deviation from
+that mean, and the first draft step starts near the original. (A separate scale per channel fits
+the calibration tokens marginally better and new tokens worse: it only adds estimation noise.) `norm_output` changes what later steps are fed
+(the post-norm state instead of the residual stream) and has no such fix: a short fine-tune with
+the training pipeline adapts the head to it, and the acceptance before and after says whether
+the upgrade paid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from transformers import PreTrainedModel
+
+from hf_eagle31.generation import prepare_drafter
+from hf_eagle31.model_cards.card import write_model_card
+from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.training.data import SequenceDataset, TrainingSequence, collate
+from hf_eagle31.training.evaluation import AcceptanceReport, evaluate_acceptance
+from hf_eagle31.training.teacher import target_states
+from hf_eagle31.training.trainer import TrainingConfig, train_drafter, training_sequences
+
+
+@torch.no_grad()
+def fc_norm_weights(target: PreTrainedModel, sequences: list[TrainingSequence], layer_ids: list[int],
+                    batch_size: int = 8) -> torch.Tensor:
+    """`[3, H_t]` RMSNorm weights: each captured layer's mean rms over these sequences' tokens."""
+    dataset = SequenceDataset(sequences)
+    total, count = torch.zeros(3), 0
+    for start in range(0, len(dataset), batch_size):
+        batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+        mask = batch["attention_mask"].to(target.device)
+        features, _ = target_states(target, batch["input_ids"].to(target.device), mask, layer_ids)
+        rms = torch.stack(features.float().chunk(3, dim=-1)).pow(2).mean(-1).sqrt()  # [3, B, L]
+        total += (rms * mask).sum((1, 2)).cpu()
+        count += int(mask.sum())
+    return (total / count)[:, None].expand(3, features.shape[-1] // 3).clone()
+
+
+def switch_on_eagle31(drafter: Eagle3DraftModel, norm_weights: torch.Tensor) -> Eagle3DraftModel:
+    """A copy of an EAGLE-3 drafter with both 3.1 switches on and `fc_norm` initialised to `norm_weights`."""
+    if drafter.config.fc_norm or drafter.config.norm_output:
+        raise ValueError("this drafter already has an EAGLE 3.1 switch on (fc_norm or norm_output); "
+                         "--upgrade takes an EAGLE-3 head")
+    config = copy.deepcopy(drafter.config)
+    config.fc_norm = config.norm_output = True
+    upgraded = Eagle3DraftModel(config).to(drafter.fc.weight.dtype)
+    missing, unexpected = upgraded.load_state_dict(drafter.state_dict(), strict=False)
+    if unexpected or any(not key.startswith("fc_norm.") for key in missing):
+        raise ValueError(f"cannot map the drafter's weights (missing {missing}, unexpected {unexpected})")
+    with torch.no_grad():
+        for norm, weight in zip(upgraded.fc_norm, norm_weights):
+            norm.weight.copy_(weight)
+    if drafter.get_input_embeddings() is not None and drafter.embed_tokens is None:
+        upgraded.set_target_embedding(drafter.get_input_embeddings())
+    return upgraded.eval()
+
+
+def upgrade_drafter(
+    drafter: Eagle3DraftModel,
+    target: PreTrainedModel,
+    data,
+    out_dir: str | Path,
+    tokenizer=None,
+    held_out: int = 8,
+    depth: int = 5,
+    config: TrainingConfig | None = None,
+    **settings,
+) -> tuple[Eagle3DraftModel, dict[str, AcceptanceReport]]:
+    """Upgrade, fine-tune on `data` (prompts the target answers, as in training) and save to `out_dir`.
+
+    The last `held_out` sequences are kept out of calibration and fine-tuning; acceptance on them is
+    reported for the original head, the upgraded head before its fine-tune, and after it, and goes
+    into the model card.
+    """
+    config = replace(config or TrainingConfig(steps=200), arch="eagle3.1", **settings)
+    config.validate()
+    prepare_drafter(target, drafter)
+    out_dir = Path(out_dir)
+    sequences = training_sequences(target, data, tokenizer, config, out_dir, Accelerator())
+    if len(sequences) <= held_out:
+        raise ValueError(f"the upgrade needs more than held_out={held_out} training sequences, got {len(sequences)}")
+    train, evaluation = sequences[:-held_out], sequences[-held_out:]
+    upgraded = switch_on_eagle31(drafter, fc_norm_weights(target, train[:64], drafter.config.target_layer_ids))
+    reports = {"EAGLE-3 (original)": evaluate_acceptance(drafter, target, evaluation, depth),
+               "EAGLE 3.1 (upgraded, before fine-tune)": evaluate_acceptance(upgraded, target, evaluation, depth)}
+    records = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in train]
+    tuned = train_drafter(target, records, out_dir, drafter=upgraded, config=config)
+    reports["EAGLE 3.1 (upgraded, fine-tuned)"] = evaluate_acceptance(tuned, target, evaluation, depth)
+    runs = [{"name": f"{name}, held-out teacher-forced", **report.as_dict()} for name, report in reports.items()]
+    (out_dir / "upgrade_acceptance.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+    write_model_card(out_dir, base_model=target.name_or_path or None, benchmark={"runs": runs})
+    return tuned, reports
+
+
+def add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--upgrade` options of `hf-eagle31 convert`."""
+    group = parser.add_argument_group("EAGLE-3 -> 3.1 upgrade")
+    group.add_argument("--upgrade", action="store_true",
+                       help="switch fc_norm and norm_output on, calibrate the new norms, fine-tune (needs --target, --data)")
+    group.add_argument("--target", help="the target model the drafter serves (upgrade)")
+    group.add_argument("--data", help="JSONL of prompts for calibration and fine-tuning (upgrade)")
+    group.add_argument("--upgrade-steps", type=int, default=200, help="fine-tuning optimizer steps (upgrade)")
+    group.add_argument("--upgrade-lr", type=float, default=5e-5, help="fine-tuning learning rate (upgrade)")
+    group.add_argument("--held-out", type=int, default=8, help="sequences kept for the before/after acceptance (upgrade)")
+
+
+def run_upgrade(args: argparse.Namespace, drafter: Eagle3DraftModel, out_dir: str | Path) -> Eagle3DraftModel:
+    """`hf-eagle31 convert ... --upgrade`: upgrade the converted `drafter` into `out_dir` and print the acceptance."""
+    from hf_eagle31.training.command import load_target
+
+    if not (args.target and args.data):
+        raise ValueError("--upgrade needs --target (the target model) and --data (prompts to calibrate and fine-tune on)")
+    target, tokenizer = load_target(args.target)
+    tuned, reports = upgrade_drafter(drafter, target, args.data, out_dir, tokenizer=tokenizer, held_out=args.held_out,
+                                     steps=args.upgrade_steps, lr=args.upgrade_lr)
+    for name, report in reports.items():
+        print(f"{name:42s} acceptance per depth: {' '.join(f'{a:.3f}' for a in report.acceptance)}"
+              f"   expected accepted length {report.expected_length:.3f}")
+    return tuned
