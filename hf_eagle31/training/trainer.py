@@ -299,6 +299,9 @@ def train_drafter(
             raise ValueError(f"the given drafter has a draft vocabulary of {drafter.config.draft_vocab_size} tokens, "
                              f"not {config.draft_vocab_size}; leave draft_vocab_size unset to keep it")
     checkpoint = latest_checkpoint(out_dir) if config.resume else None
+    if not config.resume and any((out_dir / "checkpoints").glob("step_*")):
+        raise ValueError(f"{out_dir} holds checkpoints of an earlier run: resume it (--resume) or choose another "
+                         "output folder")
 
     sequences = training_sequences(target, data, tokenizer, config, out_dir, accelerator)
     if drafter is None:
