@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "train": "hf_eagle31.training.command",
     "card": "hf_eagle31.model_cards.card",
+    "bench": "hf_eagle31.bench.command",
 }
 
 

@@ -1,0 +1,106 @@
+"""Benchmark output: a Markdown table, a JSON file and matplotlib plots, all from the same results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hf_eagle31.bench.runner import MethodResult
+
+
+def markdown_table(results: list[MethodResult], prompts: int) -> str:
+    rows = [
+        "| method | tokens/s | speedup | tau | acceptance by depth | identical to target | peak memory (MiB) |",
+        "|---|---:|---:|---:|---|---|---:|",
+    ]
+    for r in results:
+        acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_depth[:8]) or "-"
+        identical = "-" if r.identical_to_target is None else ("yes" if r.identical_to_target else "**NO**")
+        memory = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.0f}"
+        rows.append(
+            f"| {r.name} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.tau(prompts):.2f} | {acceptance} "
+            f"| {identical} | {memory} |"
+        )
+    return "\n".join(rows)
+
+
+def tuning_table(tuning: dict[str, dict]) -> str:
+    lines = []
+    for name, report in tuning.items():
+        ratios = report["verify_cost_ratio"]
+        lines.append(f"**{name}**: verify cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
+        choice = report["choice"]
+        lines.append(
+            f"chosen tree: depth {choice['tree_depth']}, {choice['tree_total_tokens']} tokens "
+            f"(predicted tau {choice['tau']:.2f}, predicted speedup {choice['speedup']:.2f}x)"
+        )
+    return "\n\n".join(lines)
+
+
+def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta: dict, tuning: dict) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        **meta,
+        "methods": [
+            {
+                "name": r.name,
+                "tokens_per_second": r.tokens_per_second,
+                "speedup": r.speedup,
+                "tau": r.tau(prompts),
+                "acceptance_per_depth": r.acceptance_per_depth,
+                "new_tokens": r.new_tokens,
+                "seconds": r.seconds,
+                "target_forwards": r.target_forwards,
+                "peak_memory_bytes": r.peak_memory_bytes,
+                "identical_to_target": r.identical_to_target,
+                "speculation": r.speculation,
+            }
+            for r in results
+        ],
+        "tuning": tuning,
+    }
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str))
+    table = markdown_table(results, prompts)
+    (out_dir / "results.md").write_text(table + "\n\n" + tuning_table(tuning) + "\n")
+    plot_results(out_dir, results, prompts, tuning)
+    return payload
+
+
+def plot_results(out_dir: Path, results: list[MethodResult], prompts: int, tuning: dict) -> None:
+    """speed.png (tokens/s per method), acceptance.png (per depth), verify_cost.png (t(n)/t(1))."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.barh([r.name for r in results][::-1], [r.tokens_per_second for r in results][::-1], color="tab:blue")
+    for i, r in enumerate(results[::-1]):
+        ax.text(r.tokens_per_second, i, f" {r.speedup:.2f}x", va="center")
+    ax.set_xlabel("tokens / s")
+    fig.tight_layout()
+    fig.savefig(out_dir / "speed.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in results:
+        if r.acceptance_per_depth:
+            depths = range(1, len(r.acceptance_per_depth) + 1)
+            ax.plot(depths, r.acceptance_per_depth, marker="o", label=r.name)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance.png", dpi=120)
+    plt.close(fig)
+
+    if tuning:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        first = next(iter(tuning.values()))["verify_cost_ratio"]
+        ax.plot([int(n) for n in first], list(first.values()), marker="o")
+        ax.set_xlabel("tokens verified in one forward (n)")
+        ax.set_ylabel("t(n) / t(1)")
+        fig.tight_layout()
+        fig.savefig(out_dir / "verify_cost.png", dpi=120)
+        plt.close(fig)

@@ -1,0 +1,83 @@
+"""The benchmark runner and the hardware-aware tuning, on a tiny pair."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import PROMPTS, trained_pair
+
+from hf_eagle31.bench.report import write_results
+from hf_eagle31.bench.runner import Method, run_all
+from hf_eagle31.tuning import choose_tree_shape, projected_tau, verify_cost_curve
+
+
+def test_projected_tau_rescores_accepted_paths_for_smaller_drafts():
+    ranks = [[0, 1, 5, 2], [3], [], [0, 9, 1]]
+    # full tree: accepted 4, 1, 0, 3 -> emitted 5, 2, 1, 4
+    assert projected_tau(ranks, total_tokens=100, depth=10) == pytest.approx((5 + 2 + 1 + 4) / 4)
+    # only the 4 best nodes: 2 (rank 5 cut), 1, 0, 1 (rank 9 cut) -> emitted 3, 2, 1, 2
+    assert projected_tau(ranks, total_tokens=4, depth=10) == pytest.approx((3 + 2 + 1 + 2) / 4)
+    # two levels deep: 2, 1, 0, 2 -> emitted 3, 2, 1, 3
+    assert projected_tau(ranks, total_tokens=100, depth=2) == pytest.approx((3 + 2 + 1 + 3) / 4)
+
+
+def test_projected_tau_predicts_what_a_smaller_tree_actually_does():
+    target, drafter = trained_pair("llama", True, dynamic_speculation=False, collapse_fallback=False,
+                                   tree_depth=5, tree_total_tokens=40)
+    target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=40, assistant_model=drafter)
+    predicted = projected_tau(drafter.speculation_stats.accepted_ranks, total_tokens=40, depth=5)
+    assert predicted == pytest.approx(drafter.speculation_stats.tau)
+
+
+def test_tree_shape_choice_and_verify_curve():
+    target, drafter = trained_pair("llama", True)
+    curve = verify_cost_curve(target, [1, 4, 16], drafter.config.target_layer_ids, context=32, repeats=2)
+    assert set(curve) == {1, 4, 16} and all(t > 0 for t in curve.values())
+    ranks = [[0, 1, 2], [0, 1], [0, 3, 4, 5]] * 3
+    report = choose_tree_shape(target, drafter, ranks, top_k=4, max_depth=3, max_tokens=8, context=32)
+    best = max(report.candidates, key=lambda c: c["speedup"])
+    assert report.choice == best and 1 <= best["tree_depth"] <= 3 and best["tree_total_tokens"] <= 8
+    assert report.as_dict()["verify_cost_ratio"][1] == 1.0
+
+
+def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path):
+    target, drafter = trained_pair("llama", True)
+    prompts = [PROMPTS[i : i + 1] for i in range(2)]
+    methods = [
+        Method("target alone"),
+        Method("prompt lookup", {"prompt_lookup_num_tokens": 3}),
+        Method("EAGLE 3.1 chain", {"assistant_model": drafter}, {"speculation_mode": "chain"}),
+        Method("EAGLE 3.1 tree", {"assistant_model": drafter}, {"speculation_mode": "tree"}),
+    ]
+    results = run_all(target, prompts, methods, max_new_tokens=24, progress=False)
+    assert [r.name for r in results] == [m.name for m in methods]
+    assert results[0].speedup == 1.0 and results[0].tau(len(prompts)) == pytest.approx(1.0)
+    assert all(r.identical_to_target for r in results[1:])
+    assert all(r.new_tokens == 2 * 24 for r in results)
+    assert results[3].tau(len(prompts)) > 1.5 and results[3].acceptance_per_depth[0] > 0.5
+    payload = write_results(tmp_path, results, len(prompts), {"date": "today"}, {})
+    assert json.loads((tmp_path / "results.json").read_text())["methods"][3]["name"] == "EAGLE 3.1 tree"
+    assert "| EAGLE 3.1 tree |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speed.png").stat().st_size > 0 and payload["methods"][0]["speedup"] == 1.0
+
+
+def test_drift_study_writes_its_table_and_plot(tmp_path):
+    from types import SimpleNamespace
+
+    from tiny_models import make_tokenizer
+
+    from hf_eagle31.bench.drift import DEPTH, run_drift_study
+
+    target, eagle3 = trained_pair("llama", False)
+    _, eagle31 = trained_pair("llama", True)
+    tokenizer = make_tokenizer()
+    texts = [tokenizer.decode(PROMPTS[i]) for i in range(3)] * 8
+    args = SimpleNamespace(max_new_tokens=12, out=str(tmp_path))
+    assert run_drift_study(target, tokenizer, {"EAGLE-3": eagle3, "EAGLE 3.1": eagle31}, texts, args) == 0
+    results = json.loads((tmp_path / "drift.json").read_text())
+    for name in ("EAGLE-3", "EAGLE 3.1"):
+        assert len(results[name]["acceptance"]["acceptance"]) == DEPTH
+        assert len(results[name]["mechanism"]["sink_attention"]) == DEPTH
+        assert all(0.0 <= m <= 1.0 for m in results[name]["mechanism"]["sink_attention"])
+        assert results[name]["context_length"]
+    assert (tmp_path / "drift.png").stat().st_size > 0 and "acceptance at depth 10" in (tmp_path / "drift.md").read_text()
