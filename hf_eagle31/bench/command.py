@@ -32,6 +32,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
+    add("--project", nargs="+", metavar="SHAPE", help="also project speedups to real model shapes "
+        "(Llama-3.1-8B, Qwen2.5-7B) from costs measured here and this run's EAGLE 3.1 acceptance")
     add("--out", default="runs/bench")
 
 
@@ -80,7 +82,7 @@ def tune(target, drafter, prompts, max_new_tokens) -> dict:
     drafter.generation_config.update(**saved)
     report = choose_tree_shape(target, drafter, ranks, top_k=top_k, max_depth=depth, max_tokens=tokens)
     apply_choice(drafter, report)
-    return report.as_dict()
+    return {**report.as_dict(), "calibration_ranks": ranks}
 
 
 def methods_for(drafters, assistant, lookup_tokens):
@@ -94,6 +96,22 @@ def methods_for(drafters, assistant, lookup_tokens):
         for mode in ("chain", "tree"):
             methods.append(Method(f"{name} {mode}", {"assistant_model": drafter}, {"speculation_mode": mode}))
     return methods
+
+
+def projections(args, tuning: dict) -> dict:
+    from hf_eagle31.bench.projection import REAL_SHAPES, measure_costs, project
+
+    ranks = tuning.get("EAGLE 3.1", next(iter(tuning.values()), {})).get("calibration_ranks")
+    if not ranks:
+        raise ValueError("--project needs the EAGLE 3.1 acceptance measured by tuning (drop --no-tune)")
+    unknown = set(args.project) - set(REAL_SHAPES)
+    if unknown:
+        raise ValueError(f"unknown shapes {sorted(unknown)}; known: {sorted(REAL_SHAPES)}")
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 65]
+    return {
+        shape: project(measure_costs(REAL_SHAPES[shape], sizes, list(range(1, 9)), device=args.device), ranks)
+        for shape in args.project
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,9 +137,16 @@ def run(args: argparse.Namespace) -> int:
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
     }
+    if args.project:
+        meta["projections"] = projections(args, tuning)
     write_results(Path(args.out), results, len(prompts), meta, tuning)
     print(markdown_table(results, len(prompts)))
     if tuning:
         print("\n" + tuning_table(tuning))
+    for shape, projection in meta.get("projections", {}).items():
+        best = projection["best"]
+        print(f"\nPROJECTION for {shape} on this device (costs extrapolated, acceptance of the demo EAGLE 3.1): "
+              f"step {projection['step_seconds'] * 1000:.1f} ms, best tree depth {best['tree_depth']} with "
+              f"{best['tree_total_tokens']} tokens, tau {best['tau']:.2f}, projected speedup {best['speedup']:.2f}x")
     print(f"\nwritten to {args.out}/ (results.json, results.md, speed.png, acceptance.png, verify_cost.png)")
     return 0
