@@ -143,6 +143,22 @@ class Eagle3DraftModel(PreTrainedModel):
             self.t2d.zero_()
             self.t2d[: self.config.draft_vocab_size] = True
 
+    # --- saving and loading: the speculation settings travel with the weights ---------------
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.generation_config.save_pretrained(save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "Eagle3DraftModel":
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        try:
+            saved = GenerationConfig.from_pretrained(pretrained_model_name_or_path).to_diff_dict()
+        except OSError:  # no generation_config.json: the defaults
+            saved = {}
+        model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved})
+        return model
+
     # --- the target's embedding -------------------------------------------------------------
 
     def set_target_embedding(self, embedding: nn.Embedding) -> None:

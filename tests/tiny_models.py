@@ -22,6 +22,7 @@ from transformers import (
 
 from hf_eagle31 import Eagle3Config, Eagle3DraftModel
 from hf_eagle31.configuration import SPECULATION_DEFAULTS
+from hf_eagle31.training import drafter_config_for
 from transformers import GenerationConfig
 
 VOCAB = 256
@@ -66,22 +67,7 @@ def make_target(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.f
 
 def drafter_config(target: PreTrainedModel, eagle31: bool = True, **overrides) -> Eagle3Config:
     """A drafter config matching `target`; `eagle31` turns both 3.1 switches on."""
-    tc = target.config
-    fields = dict(
-        vocab_size=tc.vocab_size,
-        hidden_size=tc.hidden_size,
-        target_hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        num_target_layers=tc.num_hidden_layers,
-        max_position_embeddings=tc.max_position_embeddings,
-        initializer_range=0.1,
-        fc_norm=eagle31,
-        norm_output=eagle31,
-    )
-    fields.update(overrides)
-    return Eagle3Config(**fields)
+    return drafter_config_for(target, "eagle3.1" if eagle31 else "eagle3", initializer_range=0.1, **overrides)
 
 
 def make_drafter(target: PreTrainedModel, eagle31: bool = True, seed: int = 1, **overrides) -> Eagle3DraftModel:
