@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train": "hf_eagle31.training.command",
     "card": "hf_eagle31.model_cards.card",
     "bench": "hf_eagle31.bench.command",
+    "plan": "hf_eagle31.planner",
 }
 
 
