@@ -46,9 +46,9 @@ class DrafterState:
         truncate_cache(self.cache, self.length)
         features, tokens = torch.cat(self._features, dim=1), torch.cat(self._tokens, dim=1)
         self._features, self._tokens = [], []
-        out = self.drafter(tokens, features, past_key_values=self.cache)
+        out = self.drafter(tokens, features, past_key_values=self.cache, logits_to_keep=1)
         self.length += tokens.shape[1]
-        return out.hidden_states[:, -1:], out.logits[:, -1:]
+        return out.hidden_states[:, -1:], out.logits
 
 
 @torch.no_grad()

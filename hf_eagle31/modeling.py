@@ -210,6 +210,7 @@ class Eagle3DraftModel(PreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
         tail_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> Eagle3DraftOutput:
         """One draft step for a block of positions.
 
@@ -221,6 +222,8 @@ class Eagle3DraftModel(PreTrainedModel):
             past_key_values: the drafter's own cache (a transformers `Cache`), updated in place.
             tail_mask: `[n, m]` bool visibility of the last `m` cache entries (see `tree_attention`);
                 `None` is causal.
+            logits_to_keep: compute logits for the last this many positions only (0: all). Catching
+                up on a long prompt needs just the last: `n x V_d` logits would be the largest tensor.
         """
         width = hidden_states.shape[-1]
         if width == 3 * self.config.target_hidden_size:
@@ -245,7 +248,7 @@ class Eagle3DraftModel(PreTrainedModel):
         hidden = self.midlayer(embeds, hidden_states, position_embeddings, past_key_values, tail_mask)
         normed = self.norm(hidden)
         return Eagle3DraftOutput(
-            logits=self.lm_head(normed),
+            logits=self.lm_head(normed[:, -logits_to_keep:]),
             hidden_states=normed if self.config.norm_output else hidden,
             past_key_values=past_key_values,
         )
