@@ -39,6 +39,14 @@ def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
     return SPECULATION_DEFAULTS[name] if value is None else value
 
 
+def verify_with_kernel(drafter: Eagle3DraftModel, target: PreTrainedModel) -> bool:
+    """Whether verify blocks use the Triton tree-attention kernel (see `verify_attention`)."""
+    setting = speculation_setting(drafter, "verify_attention")
+    if setting not in ("auto", "exact", "kernel"):
+        raise ValueError(f"verify_attention must be 'auto', 'exact' or 'kernel', got {setting!r}")
+    return target.device.type == "cuda" and setting in ("auto", "kernel")
+
+
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
     """Check the pair fits together (clear errors, not a shape error deep in torch) and share the embedding."""
     tc, dc = target.config.get_text_config(), drafter.config
@@ -92,7 +100,10 @@ class EagleCandidateGenerator(CandidateGenerator):
         prepare_drafter(target, drafter)
         self.drafter = drafter
         self.layer_ids = drafter.config.target_layer_ids
-        self.model_kwargs_overrides = {"output_hidden_states": capture_request(self.layer_ids)}
+        self.model_kwargs_overrides = {
+            "output_hidden_states": capture_request(self.layer_ids),
+            "eagle_use_kernel": verify_with_kernel(drafter, target),
+        }
         self.state = DrafterState(drafter)
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = generation_config.temperature or 1.0
@@ -248,6 +259,7 @@ def eagle_tree_decoding(
     top_k = speculation_setting(drafter, "tree_top_k")
     total_tokens = speculation_setting(drafter, "tree_total_tokens")
     chunk_depth = speculation_setting(drafter, "verify_chunk_depth")
+    use_kernel = verify_with_kernel(drafter, model)
     do_sample = bool(generation_config.do_sample)
     scores_out = [] if generation_config.return_dict_in_generate and generation_config.output_scores else None
     logits_out = [] if generation_config.return_dict_in_generate and generation_config.output_logits else None
@@ -293,7 +305,7 @@ def eagle_tree_decoding(
         else:
             tree = DraftTree.root_only(root)
         drafted = time.perf_counter()
-        result = verify_tree(model, cache, tree, layer_ids, emit, state.push, chunk_depth)
+        result = verify_tree(model, cache, tree, layer_ids, emit, state.push, chunk_depth, use_kernel)
         stop = result.stopped
         done = time.perf_counter()
         if speculate:

@@ -58,13 +58,15 @@ def verify_cost_curve(
     context: int = 256,
     depth: int = 6,
     repeats: int = 5,
+    use_kernel: bool | None = None,
 ) -> dict[int, float]:
     """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
 
     Measured the way tree decoding verifies: EAGLE's attention function, a tree-shaped mask, the
-    drafter's features captured.
+    drafter's features captured. `use_kernel` defaults to the Triton kernel on CUDA.
     """
     device = target.device
+    use_kernel = device.type == "cuda" if use_kernel is None else use_kernel
     prompt = torch.randint(3, target.config.get_text_config().vocab_size, (1, context), device=device)
     costs = {}
     with verify_attention_enabled(target):
@@ -75,7 +77,7 @@ def verify_cost_curve(
             mask = tree.ancestor_mask()
 
             def forward():
-                verify_block(target, cache, tree.tokens, context + tree.depths, mask, target_layer_ids)
+                verify_block(target, cache, tree.tokens, context + tree.depths, mask, target_layer_ids, use_kernel)
                 cache.crop(-n)
 
             forward()  # warm-up
@@ -149,7 +151,10 @@ def choose_tree_shape(
     """
     sizes = sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128} | {max_tokens + 1})
     sizes = [n for n in sizes if n <= max_tokens + 1]
-    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context)
+    from hf_eagle31.generation import verify_with_kernel
+
+    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context,
+                              use_kernel=verify_with_kernel(drafter, target))
     drafts = {d: draft_cost(drafter, d, top_k, context=context) for d in range(1, max_depth + 1)}
     report = TuningReport(curve, drafts)
     for depth in range(1, max_depth + 1):

@@ -58,9 +58,11 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
 
     transformers builds no mask for it. A prefill or a one-token step is exactly transformers' SDPA
     path; a verify block (a chain, or a tree whose `VerifyPlan` arrives as the `eagle_verify_plan`
-    forward kwarg) sees the cached prefix plus its own ancestors.
+    forward kwarg) sees the cached prefix plus its own ancestors, computed by the Triton kernel if
+    the `eagle_use_kernel` kwarg says so (CUDA only), else decode-equivalently.
     """
     plan = kwargs.pop("eagle_verify_plan", None)
+    use_kernel = kwargs.pop("eagle_use_kernel", False)
     n, total = query.shape[2], key.shape[2]
     if plan is None and n in (1, total):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -71,7 +73,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
             f"({total} > {window} tokens); use this target without an EAGLE drafter for such long inputs."
         )
     plan = plan or VerifyPlan.causal(n, query.device)
-    if query.is_cuda:
+    if use_kernel and query.is_cuda:
         return tree_attention(query, key, value, plan.mask, scaling).transpose(1, 2).contiguous(), None
     return decode_equivalent_attention(module, query, key, value, plan, scaling, dropout, **kwargs)
 
@@ -119,6 +121,7 @@ def verify_block(
     positions: torch.Tensor,
     ancestor_mask: torch.Tensor,
     target_layer_ids: list[int],
+    use_kernel: bool = False,
 ) -> BlockOutput:
     """One target forward over the block (the target must be using `eagle_tree` attention)."""
     out = target(
@@ -128,6 +131,7 @@ def verify_block(
         use_cache=True,
         output_hidden_states=capture_request(target_layer_ids),
         eagle_verify_plan=VerifyPlan.from_mask(ancestor_mask),
+        eagle_use_kernel=use_kernel,
     )
     return BlockOutput(out.logits[0].float(), select_features(out.hidden_states, target_layer_ids)[0])
 
@@ -181,6 +185,7 @@ def verify_tree(
     emit: Callable[[int, torch.Tensor, torch.Tensor], tuple[int, bool]],
     push_features: Callable[[torch.Tensor, torch.Tensor], None],
     chunk_depth: int | None = None,
+    use_kernel: bool = False,
 ) -> StepResult:
     """Verify `tree` (root = last emitted token, not yet in the cache), walk, compact, feed the drafter.
 
@@ -201,7 +206,7 @@ def verify_tree(
         block_start = cache.get_seq_length()
         mask = tree.ancestor_mask()[block][:, block]
         out = verify_block(
-            target, cache, tree.tokens[block], position_base + tree.depths[block], mask, target_layer_ids
+            target, cache, tree.tokens[block], position_base + tree.depths[block], mask, target_layer_ids, use_kernel
         )
         forwards += 1
         local = {int(node): i for i, node in enumerate(block.tolist())}
