@@ -275,8 +275,9 @@ class Planner:
         captured = 3 * t.hidden_size
         prefill = context * (layer + captured) * size
         d_q, d_kv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
-        d_layer = 2 * captured + 4 * d.hidden_size + 2 * d_q + 2 * d_kv + 3 * d.intermediate_size + d.draft_vocab_size
-        drafter = context * d_layer * size  # catch-up: queued + concatenated features, logits at every position
+        d_layer = 2 * captured + 4 * d.hidden_size + 2 * d_q + 2 * d_kv + 3 * d.intermediate_size
+        # catch-up: queued + concatenated features per position; logits at the last position only
+        drafter = context * d_layer * size + d.draft_vocab_size * size
         expanded_kv = 2 * t.num_attention_heads * (context + tree_tokens) * self.head_dim * size  # GQA repeat
         verify = tree_tokens * layer * size + expanded_kv
         peak = max(prefill, drafter, verify)

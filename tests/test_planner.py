@@ -88,9 +88,9 @@ def test_llama_8b_drafter_kv_and_tree_by_hand(llama_8b):
     assert parts["tree buffers (61 tokens)"] == logits + features + kv_rows + mask == 41_292_425
     # workspace estimate: the drafter's catch-up over the 8192-token prompt is the largest forward:
     # per token 2*12288 (features, queued + concatenated) + 4*4096 (fc out, embeds, their concat)
-    # + 2*4096 + 2*1024 (q/o, k/v) + 3*14336 (MLP) + 32000 (logits) = 126,208 bf16 values; plus one
-    # dequantized down_proj (14336*4096 bf16) and 512 MiB of CUDA context.
-    assert parts["workspace (estimate)"] == 8192 * 126_208 * 2 + 14336 * 4096 * 2 + 512 * MiB
+    # + 2*4096 + 2*1024 (q/o, k/v) + 3*14336 (MLP) = 94,208 bf16 values, and 32000 logits for the
+    # last position only; plus one dequantized down_proj (14336*4096 bf16) and 512 MiB of CUDA context.
+    assert parts["workspace (estimate)"] == 8192 * 94_208 * 2 + 32000 * 2 + 14336 * 4096 * 2 + 512 * MiB
 
 
 def test_qwen_7b_by_hand(tmp_path):
@@ -138,18 +138,19 @@ def test_smaller_quantization_advised_when_it_fits(llama_8b):
 def test_longest_context_by_hand(llama_8b):
     # bf16 Llama-3.1-8B on an RTX 4090. Past a few hundred tokens every term is linear in the context C:
     # per token: target KV 32*2*8*128*2 = 131,072; drafter KV 2*8*128*2 = 4,096; tree mask 61 bools;
-    # drafter catch-up activations 126,208 * 2 = 252,416.
-    per_token = 131_072 + 4_096 + 61 + 252_416
-    # fixed: weights, drafter, CUDA context; tree logits, features, KV rows, its own mask, drafter KV of the tree
+    # drafter catch-up activations 94,208 * 2 = 188,416.
+    per_token = 131_072 + 4_096 + 61 + 188_416
+    # fixed: weights, drafter, CUDA context; tree logits, features, KV rows, its own mask, drafter KV of
+    # the tree; the drafter's last-position logits
     fixed = (16_060_523_008 + 849_788_416 + 512 * MiB + 61 * 128256 * 4 + 3 * 61 * 4096 * 2
-             + 32 * 2 * 8 * 128 * 61 * 2 + 61 * 61 + 2 * 8 * 128 * 61 * 2)
+             + 32 * 2 * 8 * 128 * 61 * 2 + 61 * 61 + 2 * 8 * 128 * 61 * 2 + 32000 * 2)
     longest = (RTX_4090 - fixed) // per_token
-    assert longest == 21331
+    assert longest == 25549
     plan = llama_8b.plan("bf16", context=8192, tree_tokens=61, gpu_bytes=RTX_4090)
     assert plan.fits and plan.longest_context == longest
     assert llama_8b.total("bf16", longest, 61) <= RTX_4090 < llama_8b.total("bf16", longest + 1, 61)
-    assert "the longest context that fits is 21331 tokens." in plan.advice
-    # nf4 on 80 GiB: at the model's whole context (16 GiB of KV cache, ~31 GiB of catch-up activations)
+    assert "the longest context that fits is 25549 tokens." in plan.advice
+    # nf4 on 80 GiB: at the model's whole context (16 GiB of KV cache, ~23 GiB of catch-up activations)
     # it still fits, and the search stops at max_position_embeddings
     assert llama_8b.total("nf4", 131072, 61) <= 80 * GiB
     plan = llama_8b.plan("nf4", context=8192, tree_tokens=61, gpu_bytes=80 * GiB)

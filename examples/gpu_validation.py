@@ -1,0 +1,130 @@
+"""GPU validation in one command, for a session that has a CUDA GPU:
+
+    python examples/gpu_validation.py --out runs/gpu        # writes gpu_validation.json and .md
+
+1. the CUDA test suite (Triton tree-attention kernel tests) under pytest;
+2. the kernel against SDPA with a dense boolean mask at prefix 1k/4k/16k, tree size 64;
+3. lossless decoding on CUDA in bf16: tiny Llama/Qwen2 pairs, chain and tree, with
+   verify_attention="exact" (must match plain greedy exactly) and "kernel" (mismatches counted);
+4. a randomly initialised Llama-3.1-8B-shaped target in bf16 and nf4 (nf4 needs bitsandbytes):
+   single-token step time, verify cost curve t(n)/t(1) for n up to 128, drafter tree cost per depth,
+   and the memory planner's prediction against torch.cuda.max_memory_allocated.
+Each part records its own error instead of stopping the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def cuda_tests() -> dict:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/"], cwd=ROOT,
+                          capture_output=True, text=True)
+    return {"returncode": done.returncode, "summary": done.stdout.strip().splitlines()[-1:]}
+
+
+def kernel_timings() -> dict:
+    from bench_tree_attention import main as bench_main
+
+    out = Path("/tmp/bench_tree_attention.json")
+    bench_main(["--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def lossless_on_cuda() -> dict:
+    import hf_eagle31  # noqa: F401
+    from tiny_models import PROMPTS, trained_pair
+
+    results = {}
+    for arch in ("llama", "qwen2"):
+        target, drafter = trained_pair(arch, True, collapse_fallback=False)
+        target, drafter = target.to("cuda", torch.bfloat16), drafter.to("cuda", torch.bfloat16)
+        for attention in ("exact", "kernel"):
+            for mode in ("chain", "tree"):
+                drafter.generation_config.update(speculation_mode=mode, verify_attention=attention)
+                same = 0
+                for i in range(len(PROMPTS)):
+                    prompt = PROMPTS[i : i + 1].cuda()
+                    expected = target.generate(prompt, do_sample=False, max_new_tokens=48)
+                    out = target.generate(prompt, do_sample=False, max_new_tokens=48, assistant_model=drafter)
+                    same += bool(torch.equal(out, expected))
+                results[f"{arch} {mode} {attention}"] = f"{same}/{len(PROMPTS)} identical"
+        target.cpu().float(), drafter.cpu().float()
+    return results
+
+
+def real_shape(quant: str) -> dict:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_eagle31.bench.projection import REAL_SHAPES
+    from hf_eagle31.modeling import Eagle3DraftModel
+    from hf_eagle31.planner import Planner
+    from hf_eagle31.training import drafter_config_for
+    from hf_eagle31.tuning import draft_cost, verify_cost_curve
+
+    config = REAL_SHAPES["Llama-3.1-8B"]
+    folder = Path("/tmp/llama8b-random")
+    if not folder.exists():
+        with torch.device("cuda"):
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    quantization = None if quant == "bf16" else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                                     bnb_4bit_compute_dtype=torch.bfloat16)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
+                                                  quantization_config=quantization).eval()
+    drafter = Eagle3DraftModel(drafter_config_for(target, "eagle3.1", 32000)).to("cuda", torch.bfloat16).eval()
+    drafter.set_target_embedding(target.get_input_embeddings())
+    context = 1024
+    curve = verify_cost_curve(target, [1, 2, 4, 8, 16, 32, 64, 128], drafter.config.target_layer_ids, context=context)
+    drafts = {d: draft_cost(drafter, d, 10, context=context) for d in (1, 2, 4, 6, 8)}
+    measured = torch.cuda.max_memory_allocated()
+    plan = Planner(config).plan(quant, context=context + 128, tree_tokens=128)
+    del target, drafter
+    torch.cuda.empty_cache()
+    return {
+        "step_ms": curve[1] * 1e3,
+        "verify_cost_ratio": {n: t / curve[1] for n, t in curve.items()},
+        "drafter_tree_ms": {d: s * 1e3 for d, s in drafts.items()},
+        "max_memory_allocated_GiB": measured / 2**30,
+        "planner_total_GiB": plan.total / 2**30,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/gpu")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_validation needs a CUDA GPU; nothing was measured.")
+        return 1
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    parts = {"cuda_tests": cuda_tests, "kernel_vs_sdpa": kernel_timings, "lossless_bf16": lossless_on_cuda,
+             "llama8b_bf16": lambda: real_shape("bf16"), "llama8b_nf4": lambda: real_shape("nf4")}
+    for name, part in parts.items():
+        print(f"== {name}", flush=True)
+        try:
+            report[name] = part()
+        except Exception:  # noqa: BLE001  (one failing part must not hide the others' numbers)
+            report[name] = {"error": traceback.format_exc(limit=3)}
+        print(json.dumps(report[name], indent=1, default=str)[:2000], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_validation.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"written to {out}/gpu_validation.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
