@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, str] = {
     "card": "hf_eagle31.model_cards.card",
     "bench": "hf_eagle31.bench.command",
     "plan": "hf_eagle31.planner",
+    "convert": "hf_eagle31.conversion.convert",
 }
 
 

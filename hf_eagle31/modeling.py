@@ -150,10 +150,30 @@ class Eagle3DraftModel(PreTrainedModel):
         self.generation_config.save_pretrained(save_directory)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "Eagle3DraftModel":
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_pickle: bool = False, **kwargs):
+        """Load a drafter in any layout: this project's, the EAGLE reference's, SpecForge's or speculators'.
+
+        Other layouts are detected from their config and keys and converted on the fly (see
+        `hf_eagle31.conversion.layouts`); `pytorch_model.bin` files are read only with `allow_pickle=True`.
+        """
+        from hf_eagle31.conversion.layouts import check_state_dict, checkpoint_folder, read_checkpoint, read_config
+
+        folder = checkpoint_folder(pretrained_model_name_or_path)
+        if read_config(folder).get("model_type") == cls.config_class.model_type:
+            if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+                raise FileNotFoundError(f"no model.safetensors in {folder}: the drafter's weights are missing")
+            model = super().from_pretrained(folder, *args, **kwargs)
+        else:
+            config, state, layout = read_checkpoint(folder, allow_pickle)
+            model = cls(config)
+            check_state_dict(model, state, f"{pretrained_model_name_or_path} ({layout} layout)")
+            model.load_state_dict(state)
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+            model.to(dtype if isinstance(dtype, torch.dtype) else state["fc.weight"].dtype).eval()
+            if isinstance(kwargs.get("device_map"), str):
+                model.to(kwargs["device_map"])
         try:
-            saved = GenerationConfig.from_pretrained(pretrained_model_name_or_path).to_diff_dict()
+            saved = GenerationConfig.from_pretrained(folder).to_diff_dict()
         except OSError:  # no generation_config.json: the defaults
             saved = {}
         model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved})
