@@ -94,7 +94,11 @@ def methods_for(drafters, assistant, lookup_tokens):
     methods.append(Method("prompt lookup", {"prompt_lookup_num_tokens": lookup_tokens}))
     for name, drafter in drafters.items():
         for mode in ("chain", "tree"):
-            methods.append(Method(f"{name} {mode}", {"assistant_model": drafter}, {"speculation_mode": mode}))
+            methods.append(Method(f"{name} {mode}", {"assistant_model": drafter},
+                                  {"speculation_mode": mode, "verify_chunk_depth": None}))
+    if "EAGLE 3.1" in drafters:  # the micro-batched ("batch-sequential") verification option, measured
+        methods.append(Method("EAGLE 3.1 tree, micro-batched verify", {"assistant_model": drafters["EAGLE 3.1"]},
+                              {"speculation_mode": "tree", "verify_chunk_depth": 2}))
     return methods
 
 
