@@ -78,7 +78,8 @@ def render_man(path: Path) -> str | None:
     if source is None or source.lstrip().startswith(".so "):  # .so pages only point at another page
         return None
     env = dict(os.environ, MANWIDTH="80", GROFF_NO_SGR="1", MAN_KEEP_FORMATTING="")
-    out = subprocess.run(["man", "--no-justification", "--no-hyphenation", "-l", "-E", "UTF-8", str(path)], capture_output=True, env=env).stdout
+    command = ["man", "--no-justification", "--no-hyphenation", "-l", "-E", "UTF-8", str(path)]
+    out = subprocess.run(command, capture_output=True, env=env).stdout
     text = re.sub(r".\x08", "", out.decode("utf-8", errors="replace"))  # overstrike bold/underline
     return re.sub(r"\n{3,}", "\n\n", text)
 

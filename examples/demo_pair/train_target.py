@@ -40,7 +40,7 @@ SHAPES = {
     "small_lm": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512),
 }
 DEFAULT_STEPS = {"target": 1600, "small_lm": 1200}
-SAMPLE_PROMPTS = ("def _read_header(self, fp):\n", "The following options are supported:\n\n")
+SAMPLE_PROMPTS = ("def _read_header(self, fp):", "The following options are supported:")
 
 
 def token_streams(data: Path, split: str, tokenizer: PreTrainedTokenizerBase) -> dict[str, np.ndarray]:
