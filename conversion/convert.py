@@ -1,8 +1,9 @@
-"""Convert an EAGLE drafter between layouts, losslessly, or upgrade an EAGLE-3 head to EAGLE 3.1.
+"""Convert an EAGLE drafter between checkpoint layouts, losslessly, or upgrade an EAGLE-3 head to EAGLE 3.1.
 
 `hf-eagle31 convert SRC DST [--layout hf_eagle31|eagle|specforge|speculators] [--upgrade ...]`
 reads SRC in any layout (this project's, the EAGLE reference's, SpecForge's, speculators') and writes
-DST in the chosen one; `--upgrade` switches on the 3.1 norms and fine-tunes (see `upgrade.py`).
+DST in the chosen one with the weights and the 3.1 switches untouched; `--upgrade` switches the 3.1
+norms on and fine-tunes instead (see `upgrade.py`).
 """
 
 from __future__ import annotations
@@ -10,24 +11,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hf_eagle31.conversion.layouts import LAYOUTS, export_checkpoint
+from hf_eagle31.conversion.layouts import LAYOUTS, save_in_layout
 from hf_eagle31.conversion.upgrade import add_upgrade_arguments, run_upgrade
 from hf_eagle31.modeling import Eagle3DraftModel
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, layout: str = "hf_eagle31", allow_pickle: bool = False) -> Path:
-    """Read `src` in any supported layout and write it to `dst` in `layout`, weights untouched."""
+    """Read `src` in any supported layout and write it to `dst` in `layout`: same weights, same outputs."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     drafter = Eagle3DraftModel.from_pretrained(src, allow_pickle=allow_pickle)
-    return save_drafter(drafter, dst, layout)
-
-
-def save_drafter(drafter: Eagle3DraftModel, dst: str | Path, layout: str) -> Path:
-    if layout == "hf_eagle31":
-        drafter.save_pretrained(dst)
-        return Path(dst)
-    return export_checkpoint(drafter, dst, layout)
+    return save_in_layout(drafter, dst, layout)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path} ({args.layout} layout)")
         return 0
     drafter = Eagle3DraftModel.from_pretrained(args.src, allow_pickle=args.allow_pickle)
-    upgraded = run_upgrade(args, drafter, args.dst)
+    upgraded = run_upgrade(args, drafter, args.dst)  # saved to DST in this project's layout
     if args.layout != "hf_eagle31":
-        export_checkpoint(upgraded, Path(args.dst) / args.layout, args.layout)
+        print(f"wrote {save_in_layout(upgraded, Path(args.dst) / args.layout, args.layout)} ({args.layout} layout)")
     return 0

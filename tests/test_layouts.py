@@ -1,8 +1,10 @@
 """Every EAGLE checkpoint layout loads with `from_pretrained`, to the same module outputs.
 
 The foreign checkpoints are written here by hand, in the real key names and config shapes of each
-project (see the header of conversion/layouts.py), not by our own exporter, so the reader is
-checked against the layouts themselves; the exporter is then checked by round trips.
+project (see the header of conversion/layouts.py, and REFERENCE_KEYS below, spelled out literally),
+not by our own exporter, so the reader is checked against the layouts themselves; the exporter is then
+checked by round trips. The drafters use a llama3-scaled rope so that a config field lost on the way
+changes the outputs.
 """
 
 import json
@@ -16,44 +18,87 @@ from tiny_models import LAYERS, make_drafter, make_target
 from hf_eagle31 import Eagle3DraftModel
 from hf_eagle31.cli import main as cli
 from hf_eagle31.conversion.convert import convert_checkpoint
-from hf_eagle31.conversion.layouts import CheckpointError
+from hf_eagle31.conversion.layouts import (
+    CheckpointError,
+    MissingCheckpointError,
+    detect_layout,
+    read_checkpoint,
+    save_in_layout,
+)
 from hf_eagle31.generation import prepare_drafter
 
-LLAMA_FIELDS = dict(
+ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+LLAMA_FIELDS = dict(  # as the engines' configs spell them: rope in the classic rope_theta / rope_scaling
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=256,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000.0,
+    rope_scaling=ROPE_SCALING, vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False,
 )
+REFERENCE_KEYS = {  # SafeAILab/EAGLE eagle/model/cnets.py `Model`, SpecForge llama3_eagle.py
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+}
+FC_NORM_KEYS = {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}  # vLLM / SGLang / speculators
 
 
-@pytest.fixture(params=[(False, False), (True, True)], ids=["eagle3", "eagle3.1"])
-def source(request):
-    fc_norm, norm_output = request.param
-    target = make_target("llama")
-    drafter = make_drafter(target, eagle31=False, fc_norm=fc_norm, norm_output=norm_output, draft_vocab_size=200)
+def drafter_for(target, draft_vocab_size=200, **switches):
+    drafter = make_drafter(target, eagle31=False, draft_vocab_size=draft_vocab_size,
+                           rope_parameters={"rope_theta": 500000.0, **ROPE_SCALING}, **switches)
     with torch.no_grad():
-        drafter.d2t[:] = torch.arange(200) % 57  # a non-trivial vocabulary map
-        drafter.t2d.zero_()
-        drafter.t2d[torch.arange(200) + drafter.d2t] = True
+        if draft_vocab_size < 256:  # a non-trivial vocabulary map
+            drafter.d2t[:] = torch.arange(draft_vocab_size) % 57
+            drafter.t2d.zero_()
+            drafter.t2d[torch.arange(draft_vocab_size) + drafter.d2t] = True
         for norm in drafter.fc_norm or []:
             norm.weight.uniform_(0.5, 2.0)
-    return target, drafter
+        for name, param in drafter.named_parameters():  # norms away from 1, so a swapped norm shows
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 2.0)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """An EAGLE-3 head (both switches off), for the error cases."""
+    return drafter_for(target)
+
+
+@pytest.fixture(params=[False, True], ids=["eagle3", "eagle3.1"])
+def source(request, target):
+    return drafter_for(target, fc_norm=request.param, norm_output=request.param)
 
 
 def outputs(drafter, target):
     drafter.set_target_embedding(target.get_input_embeddings())
     ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(0))
-    features = torch.randn(1, 9, 192, generator=torch.Generator().manual_seed(1))
+    features = torch.randn(1, 9, 192, generator=torch.Generator().manual_seed(1)).to(drafter.dtype)
     with torch.no_grad():
-        out = drafter(ids, features)
-    return out.logits, out.hidden_states, drafter.draft_to_target(torch.arange(200))
+        first = drafter(ids, features)
+        again = drafter(ids, first.hidden_states)  # a second step on the fed-back states: norm_output
+    vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
+    return first.logits, first.hidden_states, again.logits, vocab
 
 
-def reference_weights(drafter, include_embedding=False, rename=lambda k: k):
-    state = {rename(k): v.contiguous() for k, v in drafter.state_dict().items()}
-    if include_embedding:
+def assert_same_outputs(got, expected, target):
+    for a, b in zip(outputs(got, target), outputs(expected, target)):
+        assert torch.equal(a, b)
+
+
+def reference_weights(drafter, embedding=False, rename=lambda k: k):
+    state = {k: v.contiguous() for k, v in drafter.state_dict().items()}
+    assert set(state) == REFERENCE_KEYS | (FC_NORM_KEYS if drafter.config.fc_norm else set())
+    if embedding:
         state["embed_tokens.weight"] = drafter.get_input_embeddings().weight.detach().clone()
-    return state
+    return {rename(k): v for k, v in state.items()}
 
 
 def write(folder, config, state):
@@ -63,121 +108,297 @@ def write(folder, config, state):
     return folder
 
 
+def llama_config(drafter, **extra):
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+              "draft_vocab_size": drafter.config.draft_vocab_size, **LLAMA_FIELDS, **extra}
+    if drafter.config.fc_norm or drafter.config.norm_output:  # EAGLE 3.1, as SpecForge's eagle3.1 configs
+        config.update(fc_norm=drafter.config.fc_norm, norm_output=drafter.config.norm_output)
+    return config
+
+
 def eagle_reference(folder, drafter):
-    """SafeAILab/EAGLE: a Llama config with draft_vocab_size; midlayer.* keys; default layers only."""
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-              "draft_vocab_size": 200, "target_hidden_size": 64, **LLAMA_FIELDS}
-    if drafter.config.fc_norm:
-        config.update(fc_norm=True, norm_output=drafter.config.norm_output)
-    return write(folder, config, reference_weights(drafter))
+    """SafeAILab/EAGLE: a Llama config with draft_vocab_size and target_hidden_size; no layer ids."""
+    return write(folder, llama_config(drafter, target_hidden_size=64), reference_weights(drafter))
 
 
-def specforge(folder, drafter):
-    """SpecForge: the reference keys plus embed_tokens, and eagle_config's layer ids naming layer outputs."""
-    ids = [i - 1 for i in drafter.config.target_layer_ids]
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-              "draft_vocab_size": 200, **LLAMA_FIELDS,
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-              "fc_norm": drafter.config.fc_norm, "norm_output": drafter.config.norm_output}
-    return write(folder, config, reference_weights(drafter, include_embedding=True))
+def specforge(folder, drafter, ids=None):
+    """SpecForge: the reference keys plus embed_tokens; eagle_config's layer ids name layer outputs."""
+    ids = [i - 1 for i in drafter.config.target_layer_ids] if ids is None else ids
+    config = llama_config(drafter, eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+    return write(folder, config, reference_weights(drafter, embedding=True))
 
 
-def speculators(folder, drafter):
-    """vllm-project/speculators: nested transformer_layer_config, layers.0.* keys, verifier_* extras."""
-    config = {
+def model_prefixed(folder, drafter):
+    """Trainers that save the engines' module names (NVIDIA-NeMo/Automodel: `model.fc_norm.0.weight`)."""
+    prefixed = lambda k: k if k in ("lm_head.weight", "d2t", "t2d") else "model." + k  # noqa: E731
+    return write(folder, llama_config(drafter), reference_weights(drafter, rename=prefixed))
+
+
+def speculators_config(drafter, ids, **extra):
+    return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
         "transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 1, **LLAMA_FIELDS},
-        "draft_vocab_size": 200, "norm_before_residual": False, "norm_before_fc": False,
-        "eagle_aux_hidden_state_layer_ids": drafter.config.target_layer_ids,
-        "fc_norm": drafter.config.fc_norm, "norm_output": drafter.config.norm_output,
+        "draft_vocab_size": drafter.config.draft_vocab_size, "norm_before_fc": False,
+        "eagle_aux_hidden_state_layer_ids": ids, "fc_norm": drafter.config.fc_norm,
+        "norm_output": drafter.config.norm_output,
         "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
                                "verifier": {"name_or_path": None, "architectures": ["LlamaForCausalLM"]}},
+        **extra,
     }
-    state = reference_weights(drafter, include_embedding=True,
-                              rename=lambda k: "layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k)
-    state["verifier_norm.weight"] = torch.ones(64)
-    return write(folder, config, state)
 
 
-@pytest.mark.parametrize("writer", [eagle_reference, specforge, speculators])
-def test_every_layout_loads_to_the_same_outputs(tmp_path, source, writer):
-    target, drafter = source
-    folder = writer(tmp_path / writer.__name__, drafter)
-    loaded = Eagle3DraftModel.from_pretrained(folder)
-    assert loaded.config.fc_norm == drafter.config.fc_norm and loaded.config.norm_output == drafter.config.norm_output
-    if writer is eagle_reference:  # not stored: the default layers of whichever target it is attached to
+def speculators_weights(drafter):
+    layers = lambda k: "layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k  # noqa: E731
+    state = reference_weights(drafter, embedding=True, rename=layers)
+    state["verifier_norm.weight"] = torch.ones(64)  # training-only, in older speculators files
+    return state
+
+
+def speculators(folder, drafter, ids=None):
+    """vllm-project/speculators: nested transformer_layer_config, layers.0.* keys, vLLM's layer ids."""
+    ids = drafter.config.target_layer_ids if ids is None else ids
+    config = speculators_config(drafter, ids, norm_before_residual=drafter.config.norm_before_residual)
+    return write(folder, config, speculators_weights(drafter))
+
+
+@pytest.mark.parametrize("writer", [eagle_reference, specforge, model_prefixed, speculators])
+def test_every_layout_loads_to_the_same_outputs(tmp_path, target, source, writer):
+    loaded = Eagle3DraftModel.from_pretrained(writer(tmp_path / writer.__name__, source))
+    for switch in ("fc_norm", "norm_output", "norm_before_residual"):
+        assert getattr(loaded.config, switch) == getattr(source.config, switch)
+    assert loaded.config.rope_parameters == source.config.rope_parameters
+    if writer in (eagle_reference, model_prefixed):  # not stored: the default layers of the target it serves
         assert loaded.config.target_layer_ids is None
         prepare_drafter(target, loaded)
-    assert loaded.config.target_layer_ids == drafter.config.target_layer_ids == [2, LAYERS // 2, LAYERS - 3]
-    for got, expected in zip(outputs(loaded, target), outputs(drafter, target)):
-        assert torch.equal(got, expected)
+    assert loaded.config.target_layer_ids == source.config.target_layer_ids == [2, LAYERS // 2, LAYERS - 3]
+    assert_same_outputs(loaded, source, target)
+
+
+def test_speculators_norm_before_residual_and_its_vllm_default(tmp_path, target):
+    source = drafter_for(target, norm_before_residual=True)
+    config = speculators_config(source, source.config.target_layer_ids)  # no norm_before_residual field
+    loaded = Eagle3DraftModel.from_pretrained(write(tmp_path, config, speculators_weights(source)))
+    assert loaded.config.norm_before_residual  # as vLLM's speculators/algos.py reads a missing field
+    assert_same_outputs(loaded, source, target)
+
+
+def test_sharded_safetensors(tmp_path, target, plain):
+    state = speculators_weights(plain)
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    tmp_path.mkdir(exist_ok=True)
+    for name, names in shards.items():
+        save_file({k: state[k] for k in names}, tmp_path / name)
+    weight_map = {k: name for name, names in shards.items() for k in names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(speculators_config(plain, [2, 3, 3], norm_before_residual=False)))
+    assert_same_outputs(Eagle3DraftModel.from_pretrained(tmp_path), plain, target)
+
+
+def test_full_vocabulary_without_vocabulary_maps(tmp_path, target):
+    source = drafter_for(target, draft_vocab_size=256)
+    state = speculators_weights(source)
+    del state["d2t"], state["t2d"]  # speculators leaves them out when the draft vocabulary is the full one
+    config = speculators_config(source, [2, 3, 3], norm_before_residual=False)
+    loaded = Eagle3DraftModel.from_pretrained(write(tmp_path, config, state))
+    assert not loaded.d2t.any() and loaded.t2d.all()
+    assert_same_outputs(loaded, source, target)
+
+
+def engine_capture(target, layer_inputs, ids):
+    """The features an engine captures: the input of each decoder layer in `layer_inputs`, by hooks on the
+    real transformers layers (SGLang and vLLM keep `hidden_states + residual` entering that layer)."""
+    captured, hooks = {}, []
+
+    def keep(index):
+        def hook(module, args, kwargs):
+            captured[index] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    for index in layer_inputs:
+        hooks.append(target.model.layers[index].register_forward_pre_hook(keep(index), with_kwargs=True))
+    with torch.no_grad():
+        target(ids)
+    for hook in hooks:
+        hook.remove()
+    return torch.cat([captured[i] for i in layer_inputs], dim=-1)
+
+
+@pytest.mark.parametrize("layout", ["eagle", "specforge", "speculators"])
+def test_layer_ids_are_the_features_each_engine_captures(tmp_path, target, layout):
+    """SGLang captures before layer id+1 for SpecForge's ids; vLLM before layer id for a top-level list."""
+    source = drafter_for(target, target_layer_ids=[1, 3, 5])
+    if layout == "specforge":
+        folder, engine_layers = specforge(tmp_path, source, ids=[0, 2, 4]), [1, 3, 5]
+    elif layout == "speculators":
+        folder, engine_layers = speculators(tmp_path, source, ids=[1, 3, 5]), [1, 3, 5]
+    else:  # an EAGLE-reference config with vLLM's top-level list
+        folder, engine_layers = write(tmp_path, llama_config(source, eagle_aux_hidden_state_layer_ids=[1, 3, 5]),
+                                      reference_weights(source)), [1, 3, 5]
+    loaded = Eagle3DraftModel.from_pretrained(folder)
+    ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    ours = torch.cat([states[i] for i in loaded.config.target_layer_ids], dim=-1)
+    assert torch.equal(ours, engine_capture(target, engine_layers, ids))
+
+
+def test_eagle_reference_default_layers_are_the_reference_capture(target):
+    ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    drafter = drafter_for(target, target_layer_ids=None, num_target_layers=None)
+    prepare_drafter(target, drafter)  # modeling_llama_kv.py: idx in (2, L//2, L-3), before layer idx
+    ours = torch.cat([states[i] for i in drafter.config.target_layer_ids], dim=-1)
+    assert torch.equal(ours, engine_capture(target, [2, LAYERS // 2, LAYERS - 3], ids))
 
 
 @pytest.mark.parametrize("layout", ["eagle", "specforge", "speculators", "hf_eagle31"])
-def test_export_round_trips_losslessly(tmp_path, source, layout):
-    target, drafter = source
-    drafter.save_pretrained(tmp_path / "ours")
+def test_export_round_trips_losslessly(tmp_path, target, source, layout):
+    source.save_pretrained(tmp_path / "ours")
     convert_checkpoint(tmp_path / "ours", tmp_path / layout, layout)
     again = Eagle3DraftModel.from_pretrained(tmp_path / layout)
-    for got, expected in zip(outputs(again, target), outputs(drafter, target)):
-        assert torch.equal(got, expected)
+    assert read_checkpoint(tmp_path / layout)[2] == layout
+    implied = layout == "eagle"  # the reference layout stores no layers: the default ones of the target
+    assert again.config.target_layer_ids == (None if implied else source.config.target_layer_ids)
+    assert_same_outputs(again, source, target)
     if layout != "hf_eagle31":
         config = json.loads((tmp_path / layout / "config.json").read_text())
-        assert config.get("fc_norm") == drafter.config.fc_norm  # the 3.1 flags travel with the export
+        assert config["fc_norm"] == source.config.fc_norm and config["norm_output"] == source.config.norm_output
+
+
+@pytest.mark.parametrize("layout", ["specforge", "speculators"])
+def test_export_keeps_custom_layer_ids_for_every_engine(tmp_path, target, layout):
+    source = drafter_for(target, target_layer_ids=[0, 3, 6])  # the embedding output and the last layer too
+    config = json.loads((save_in_layout(source, tmp_path, layout) / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]  # vLLM's reading
+    if layout == "specforge":
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 2, 5]  # SGLang's (+1)
+    assert Eagle3DraftModel.from_pretrained(tmp_path).config.target_layer_ids == [0, 3, 6]
+    with pytest.raises(ValueError, match="cannot record target_layer_ids"):
+        save_in_layout(source, tmp_path / "eagle", "eagle")
+
+
+def test_bfloat16_loads_like_transformers_loads_our_own_layout(tmp_path, target):
+    """dtype goes through transformers for every layout: weights cast, rope frequencies kept in float32."""
+    source = drafter_for(target, fc_norm=True, norm_output=True)
+    source.save_pretrained(tmp_path / "ours")
+    reference = Eagle3DraftModel.from_pretrained(tmp_path / "ours", dtype=torch.bfloat16)
+    for layout in ("eagle", "specforge", "speculators"):
+        save_in_layout(source, tmp_path / layout, layout)
+        loaded = Eagle3DraftModel.from_pretrained(tmp_path / layout, dtype=torch.bfloat16)
+        assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.rotary_emb.inv_freq.dtype == torch.float32
+        assert_same_outputs(loaded, reference, target)
 
 
 def test_own_layout_round_trips_bit_exactly_through_auto_model(tmp_path, source):
-    _, drafter = source
-    drafter.save_pretrained(tmp_path)
+    source.generation_config.num_assistant_tokens = 7
+    source.save_pretrained(tmp_path)
+    assert detect_layout(json.loads((tmp_path / "config.json").read_text())) == "hf_eagle31"
     loaded = transformers.AutoModel.from_pretrained(tmp_path)
-    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()))
+    assert type(loaded) is Eagle3DraftModel and loaded.generation_config.num_assistant_tokens == 7
+    assert loaded.state_dict().keys() == source.state_dict().keys()
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in source.state_dict().items())
 
 
-def test_cli_converts(tmp_path, source):
-    target, drafter = source
-    eagle_reference(tmp_path / "ref", drafter)
+def test_local_folders_come_before_the_hub(tmp_path, monkeypatch, target, plain):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("went to the Hub"))
+    eagle_reference(tmp_path / "org" / "head", plain)
+    monkeypatch.chdir(tmp_path)
+    assert_same_outputs(Eagle3DraftModel.from_pretrained("org/head"), plain, target)
+
+
+@pytest.mark.parametrize("config, keys, layout", [
+    ({"model_type": "eagle3_drafter"}, set(), "hf_eagle31"),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "fc_norm": True, "norm_output": True}, set(), "eagle"),
+    ({"model_type": "llama"}, {"midlayer.hidden_norm.weight"}, "eagle"),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {}}, set(), "specforge"),
+    ({"speculators_model_type": "eagle3", "fc_norm": True}, set(), "speculators"),
+])
+def test_detect_layout(config, keys, layout):
+    assert detect_layout(config, keys) == layout
+
+
+def test_cli_converts(tmp_path, plain, capsys):
+    eagle_reference(tmp_path / "ref", plain)
     assert cli(["convert", str(tmp_path / "ref"), str(tmp_path / "out"), "--layout", "speculators"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["speculators_model_type"] == "eagle3"
-    assert cli(["convert", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2  # a clear one-line error
+    assert cli(["convert", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
+    assert "neither a checkpoint folder nor a Hub repository id" in capsys.readouterr().err  # one line, no trace
 
 
-def test_bad_checkpoints_get_named_errors(tmp_path, source):
-    target, drafter = source
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a Hub"):
+def test_missing_files_get_named_errors(tmp_path, plain):
+    with pytest.raises(MissingCheckpointError, match="neither a checkpoint folder nor a Hub"):
         Eagle3DraftModel.from_pretrained(tmp_path / "nothing" / "here")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(MissingCheckpointError, match="no config.json"):
         Eagle3DraftModel.from_pretrained(tmp_path / "empty")
-    folder = eagle_reference(tmp_path / "noweights", drafter)
+    folder = eagle_reference(tmp_path / "noweights", plain)
     (folder / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="no weights"):
+    with pytest.raises(MissingCheckpointError, match="no weights"):
         Eagle3DraftModel.from_pretrained(folder)
-    unknown = write(tmp_path / "unknown", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, {"x": torch.ones(1)})
-    with pytest.raises(CheckpointError, match="unknown checkpoint layout"):
-        Eagle3DraftModel.from_pretrained(unknown)
-    state = reference_weights(drafter)
-    state["fc.weight"] = torch.randn(64, 3 * 32)  # features of a 32-wide target
-    config = json.loads((eagle_reference(tmp_path / "ok", drafter) / "config.json").read_text())
-    with pytest.raises(CheckpointError, match="fc.weight has shape"):  # config says 64-wide features
-        Eagle3DraftModel.from_pretrained(write(tmp_path / "shapes", config, state))
-    state = reference_weights(drafter)
-    del state["midlayer.mlp.up_proj.weight"]
-    with pytest.raises(CheckpointError, match="missing weights.*up_proj"):
-        Eagle3DraftModel.from_pretrained(write(tmp_path / "partial", config, state))
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    (pickled / "config.json").write_text(json.dumps(config))
-    torch.save(reference_weights(drafter), pickled / "pytorch_model.bin")
+    plain.save_pretrained(tmp_path / "ours")
+    (tmp_path / "ours" / "model.safetensors").unlink()
+    with pytest.raises(MissingCheckpointError, match="weights are missing"):
+        Eagle3DraftModel.from_pretrained(tmp_path / "ours")
+
+
+def test_pickles_need_an_explicit_opt_in(tmp_path, target, plain):
+    (tmp_path / "config.json").write_text(json.dumps(llama_config(plain, target_hidden_size=64)))
+    torch.save(reference_weights(plain), tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="allow_pickle=True"):
-        Eagle3DraftModel.from_pretrained(pickled)
-    assert Eagle3DraftModel.from_pretrained(pickled, allow_pickle=True).config.draft_vocab_size == 200
-    ours = tmp_path / "ours"
-    drafter.save_pretrained(ours)
-    (ours / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="weights are missing"):
-        Eagle3DraftModel.from_pretrained(ours)
-    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 40]}  # for a deeper target
-    deep = Eagle3DraftModel.from_pretrained(write(tmp_path / "ids", config, reference_weights(drafter)))
+        Eagle3DraftModel.from_pretrained(tmp_path)
+    assert_same_outputs(Eagle3DraftModel.from_pretrained(tmp_path, allow_pickle=True), plain, target)
+
+
+def broken(drafter, change):
+    """An EAGLE-reference checkpoint of `drafter` with one thing wrong: change(config, state)."""
+    config, state = llama_config(drafter, target_hidden_size=64), reference_weights(drafter)
+    change(config, state)
+    return config, state
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda c, s: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2") or s.pop("midlayer.hidden_norm.weight"),
+     "unknown checkpoint layout: looked for model_type 'eagle3_drafter'.*speculators_model_type 'eagle3'.*"
+     "LlamaForCausalLMEagle3.*found model_type 'gpt2'"),
+    (lambda c, s: c.update(speculators_model_type="mlp"), "'mlp' is not EAGLE-3"),
+    (lambda c, s: s.pop("midlayer.mlp.up_proj.weight"), r"missing weights \['midlayer.mlp.up_proj.weight'\]"),
+    (lambda c, s: s.update({f"fc_norm.{i}.weight": torch.ones(64) for i in range(3)}),
+     r"unexpected weights \['fc_norm.0.weight'.*fc_norm: true"),
+    (lambda c, s: s.update({"fc.weight": torch.randn(64, 96)}),
+     r"fc.weight has shape \(64, 96\) but the config implies \(64, 192\): fc reads 3 captured layers x "
+     "target_hidden_size 64"),
+    (lambda c, s: c.update(target_hidden_size=32), r"fc.weight has shape \(64, 192\) but the config implies \(64, 96\)"),
+    (lambda c, s: c.update(hidden_size=32, head_dim=8), r"has shape .* but the config implies"),
+    (lambda c, s: c.update(draft_vocab_size=100), r"lm_head.weight has shape \(200, 64\) but the config implies \(100, 64\)"),
+    (lambda c, s: c.update(vocab_size=300), r"t2d has shape \(256,\) but the config implies \(300,\)"),
+    (lambda c, s: c.update(norm_before_fc=True), "norm_before_fc .* does not implement it"),
+    (lambda c, s: s.update({"input_norm.weight": torch.ones(192)}), "norm_before_fc"),
+    (lambda c, s: c.update(eagle_config={"use_aux_hidden_state": False}), "EAGLE-2 head"),
+    (lambda c, s: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}), "must list 3 target layers"),
+    (lambda c, s: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 2, 3]}), "out of range"),
+    (lambda c, s: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]},
+                           eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "captured layers disagree"),
+], ids=["unknown", "speculators-type", "missing", "unexpected", "fc-width", "target-hidden-size", "hidden-size",
+        "draft-vocab", "vocab", "norm-before-fc", "input-norm", "eagle2", "four-layers", "negative-layer",
+        "layer-conventions"])
+def test_bad_checkpoints_get_named_errors(tmp_path, plain, change, error):
+    with pytest.raises(CheckpointError, match=error):
+        Eagle3DraftModel.from_pretrained(write(tmp_path, *broken(plain, change)))
+
+
+def test_layers_beyond_the_target_are_refused_when_attached(tmp_path, target, plain):
+    config, state = broken(plain, lambda c, s: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 40]}))
+    deep = Eagle3DraftModel.from_pretrained(write(tmp_path, config, state))  # right for a deeper target
+    assert deep.config.target_layer_ids == [2, 4, 41]
     with pytest.raises(ValueError, match="out of range for the target"):
         prepare_drafter(target, deep)
+
+
+def test_convert_rejects_an_unknown_layout(tmp_path, plain):
+    with pytest.raises(ValueError, match="unknown layout 'vllm'"):
+        convert_checkpoint(eagle_reference(tmp_path / "ref", plain), tmp_path / "out", "vllm")
