@@ -79,10 +79,10 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the results as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_tree_attention needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.")
 

@@ -1,6 +1,9 @@
 """GPU validation in one command, for a session that has a CUDA GPU:
 
-    python examples/gpu_validation.py --out runs/gpu        # writes gpu_validation.json and .md
+    pip install -e . && python examples/gpu_validation.py --out runs/gpu   # writes gpu_validation.json
+
+(An editable install: the CUDA tests run from the checkout, whose `kernels/` folder is installed as
+`hf_eagle31.kernels`.) `--parts` runs a subset.
 
 1. the CUDA test suite (Triton tree-attention kernel tests) under pytest;
 2. the kernel against SDPA with a dense boolean mask at prefix 1k/4k/16k, tree size 64;
@@ -31,7 +34,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 def cuda_tests() -> dict:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/"], cwd=ROOT,
                           capture_output=True, text=True)
-    return {"returncode": done.returncode, "summary": done.stdout.strip().splitlines()[-1:]}
+    lines = done.stdout.strip().splitlines()
+    return {"returncode": done.returncode, "summary": lines[-1:], "failures": lines[-40:] if done.returncode else []}
 
 
 def kernel_timings() -> dict:
@@ -87,7 +91,9 @@ def real_shape(quant: str) -> dict:
     drafter = Eagle3DraftModel(drafter_config_for(target, "eagle3.1", 32000)).to("cuda", torch.bfloat16).eval()
     drafter.set_target_embedding(target.get_input_embeddings())
     context = 1024
-    curve = verify_cost_curve(target, [1, 2, 4, 8, 16, 32, 64, 128], drafter.config.target_layer_ids, context=context)
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context)
+    kernel_curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, use_kernel=True)
     drafts = {d: draft_cost(drafter, d, 10, context=context) for d in (1, 2, 4, 6, 8)}
     measured = torch.cuda.max_memory_allocated()
     plan = Planner(config).plan(quant, context=context + 128, tree_tokens=128)
@@ -96,6 +102,7 @@ def real_shape(quant: str) -> dict:
     return {
         "step_ms": curve[1] * 1e3,
         "verify_cost_ratio": {n: t / curve[1] for n, t in curve.items()},
+        "verify_cost_ratio_kernel": {n: t / curve[1] for n, t in kernel_curve.items()},
         "drafter_tree_ms": {d: s * 1e3 for d, s in drafts.items()},
         "max_memory_allocated_GiB": measured / 2**30,
         "planner_total_GiB": plan.total / 2**30,
@@ -105,6 +112,7 @@ def real_shape(quant: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/gpu")
+    parser.add_argument("--parts", nargs="*", help="run only these parts (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_validation needs a CUDA GPU; nothing was measured.")
@@ -112,16 +120,18 @@ def main() -> int:
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     parts = {"cuda_tests": cuda_tests, "kernel_vs_sdpa": kernel_timings, "lossless_bf16": lossless_on_cuda,
              "llama8b_bf16": lambda: real_shape("bf16"), "llama8b_nf4": lambda: real_shape("nf4")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name, part in parts.items():
+        if args.parts and name not in args.parts:
+            continue
         print(f"== {name}", flush=True)
         try:
             report[name] = part()
         except Exception:  # noqa: BLE001  (one failing part must not hide the others' numbers)
             report[name] = {"error": traceback.format_exc(limit=3)}
         print(json.dumps(report[name], indent=1, default=str)[:2000], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_validation.json").write_text(json.dumps(report, indent=2, default=str))
+        (out / "gpu_validation.json").write_text(json.dumps(report, indent=2, default=str))  # kept if a later part hangs
     print(f"written to {out}/gpu_validation.json")
     return 0
 

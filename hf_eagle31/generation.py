@@ -42,9 +42,9 @@ def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
 def verify_with_kernel(drafter: Eagle3DraftModel, target: PreTrainedModel) -> bool:
     """Whether verify blocks use the Triton tree-attention kernel (see `verify_attention`)."""
     setting = speculation_setting(drafter, "verify_attention")
-    if setting not in ("auto", "exact", "kernel"):
-        raise ValueError(f"verify_attention must be 'auto', 'exact' or 'kernel', got {setting!r}")
-    return target.device.type == "cuda" and setting in ("auto", "kernel")
+    if setting not in ("exact", "kernel"):
+        raise ValueError(f"verify_attention must be 'exact' or 'kernel', got {setting!r}")
+    return target.device.type == "cuda" and setting == "kernel"
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:

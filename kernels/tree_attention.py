@@ -34,12 +34,12 @@ def tree_attention_reference(
         `[batch, q_heads, n, head_dim]`.
     """
     n, kv_len = query.shape[-2], key.shape[-2]
-    if tail_mask is None:
-        tail_mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    tail_mask = torch.ones(n, n, dtype=torch.bool).tril() if tail_mask is None else tail_mask
+    tail_mask = tail_mask.to(query.device)
     prefix = kv_len - tail_mask.shape[-1]
     if prefix < 0:
         raise ValueError(f"tail_mask covers {tail_mask.shape[-1]} keys but the cache holds only {kv_len}.")
-    mask = torch.cat([tail_mask.new_ones(n, prefix), tail_mask.to(query.device)], dim=-1)
+    mask = torch.cat([tail_mask.new_ones(n, prefix), tail_mask], dim=-1)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )

@@ -1,6 +1,7 @@
 """bitsandbytes-quantized targets: EAGLE decoding equals the same quantized target's plain greedy output.
 
 bitsandbytes runs on CPU, so these run in the normal suite; without it they skip with the reason.
+The same tests run on a CUDA GPU when there is one (`pytest -m cuda`).
 """
 
 import pytest
@@ -13,6 +14,10 @@ bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed"
 
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 QUANTIZATIONS = {
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
@@ -29,21 +34,24 @@ def saved_pair(tmp_path_factory):
     return folder, drafter
 
 
-def quantized(folder, name):
+def quantized(folder, name, device="cpu"):
     config = BitsAndBytesConfig(**QUANTIZATIONS[name], bnb_4bit_compute_dtype=torch.bfloat16)
-    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.bfloat16).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=config, dtype=torch.bfloat16, device_map=device
+    ).eval()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(QUANTIZATIONS))
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_quantized_target_greedy_equals_its_plain_generate(saved_pair, name, mode):
+def test_quantized_target_greedy_equals_its_plain_generate(saved_pair, name, mode, device):
     folder, fitted = saved_pair
-    target = quantized(folder, name)
-    drafter = hf_eagle31.Eagle3DraftModel(drafter_config(target)).to(torch.bfloat16).eval()
+    target = quantized(folder, name, device)
+    drafter = hf_eagle31.Eagle3DraftModel(drafter_config(target)).to(device, torch.bfloat16).eval()
     drafter.load_state_dict(fitted.state_dict())  # the drafter fitted to the unquantized target, in bf16
     drafter.generation_config.speculation_mode = mode
     drafter.generation_config.collapse_fallback = False
-    for prompt in (PROMPTS[0:1], PROMPTS[3:4]):
+    for prompt in (PROMPTS[0:1].to(device), PROMPTS[3:4].to(device)):
         expected = target.generate(prompt, do_sample=False, max_new_tokens=24)
         out = target.generate(prompt, do_sample=False, max_new_tokens=24, assistant_model=drafter)
         assert torch.equal(out, expected), (name, mode, prompt.tolist())
