@@ -1,12 +1,16 @@
 """Train the demo pair's EAGLE-3 and EAGLE 3.1 drafters with the training pipeline: same data, same budget.
 
-    python examples/demo_pair/train_drafters.py      # after train_target.py; writes eagle3/ and eagle31/
+    python examples/demo_pair/train_drafters.py                 # after train_target.py; writes eagle3/ and eagle31/
+    python examples/demo_pair/train_drafters.py --stage train   # on a GPU machine: training only
+    python examples/demo_pair/train_drafters.py --stage tune    # then on the CPU the demo runs on
 
 The prompts are openings of Python functions and English paragraphs from the *training* split (the
 held-out split only feeds the demo and the benchmarks); the target answers them itself. Both
 drafters train on the very same self-distilled sequences, with one shared offline feature cache,
 for the same number of steps; only the two EAGLE 3.1 switches differ. The tree shape stored in each
-drafter's generation config is tuned on this machine with calibration prompts from the training split.
+drafter's generation config is tuned on the machine that runs `--stage tune` (the right tree size depends
+on the device's verify cost curve), with calibration prompts from the training split. The prompts are
+cached in `<work>/prompts.jsonl`, so a machine without `data/train.jsonl` can train from that file.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_eagle31  # noqa: F401
 from hf_eagle31.model_cards.card import write_model_card
+from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.training import train_drafter
 from hf_eagle31.training.data import load_sequences
 from hf_eagle31.training.trainer import DISTILLED
@@ -30,17 +35,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from build_prompts import function_openings, paragraph_openings  # noqa: E402
 
-BUDGET = dict(draft_vocab_size=4096, ttt_steps=6, steps=1500, batch_size=8, lr=1e-3, max_length=384,
-              answer_max_new_tokens=160, save_every=250, seed=0)
+BUDGET = dict(draft_vocab_size=4096, ttt_steps=6, steps=900, batch_size=16, lr=1e-3, max_length=320,
+              answer_max_new_tokens=128, save_every=150, seed=0)
+ARCHITECTURES = (("eagle3", "eagle3"), ("eagle3.1", "eagle31"))  # (--arch, folder)
 
 
-def training_prompts(count: int) -> list[dict]:
+def training_prompts(count: int, cache: Path) -> list[dict]:
     """Evenly spaced openings from the training split, half code, half prose."""
+    if cache.exists():
+        return [json.loads(line) for line in cache.read_text().splitlines()][:count]
     records = [json.loads(line) for line in (HERE / "data" / "train.jsonl").read_text().splitlines()]
     code = [p for r in records if r["pool"] == "code" for p in function_openings(r["path"], r["text"])]
     prose = [p for r in records if r["pool"] != "code" for p in paragraph_openings(r["path"], r["text"])]
     pick = lambda items, n: [items[i * len(items) // n] for i in range(min(n, len(items)))]  # noqa: E731
-    return [{"turns": [p["text"]]} for p in pick(code, count // 2) + pick(prose, count - count // 2)]
+    prompts = [{"turns": [p["text"]]} for p in pick(code, count // 2) + pick(prose, count - count // 2)]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return prompts
 
 
 def tune_shape(target, drafter, tokenizer, prompts: list[dict]) -> dict:
@@ -57,31 +68,45 @@ def tune_shape(target, drafter, tokenizer, prompts: list[dict]) -> dict:
     return report.as_dict()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="runs/demo_drafters", help="training runs, logs and the feature cache")
-    parser.add_argument("--prompts", type=int, default=800)
-    parser.add_argument("--steps", type=int, default=BUDGET["steps"])
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_pretrained(HERE / "target", dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(HERE / "target")
-    prompts = training_prompts(args.prompts)
-    work = Path(args.work)
-    budget = {**BUDGET, "steps": args.steps, "feature_cache": str(work / "features")}
+def train(target, tokenizer, prompts: list[dict], work: Path, steps: int) -> None:
+    budget = {**BUDGET, "steps": steps, "feature_cache": str(work / "features")}
     data = prompts
-    for arch, name in (("eagle3", "eagle3"), ("eagle3.1", "eagle31")):
+    for arch, name in ARCHITECTURES:
         drafter = train_drafter(target, data, work / name, tokenizer, arch=arch, **budget)
         data = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in load_sequences(work / "eagle3" / DISTILLED)]
-        tuning = tune_shape(target, drafter, tokenizer, prompts[:: max(1, len(prompts) // 6)][:6])
-        drafter = drafter.to(torch.bfloat16)
-        drafter.save_pretrained(HERE / name)
-        (HERE / name / "tuning.json").write_text(json.dumps(tuning, indent=2, default=str))
+        drafter.to("cpu", torch.bfloat16).save_pretrained(HERE / name)
         for file in ("training_args.json", "train_log.csv"):
             if (work / name / file).exists():
                 (HERE / name / file).write_text((work / name / file).read_text())
         write_model_card(HERE / name)
+
+
+def tune(target, tokenizer, prompts: list[dict]) -> None:
+    for _, name in ARCHITECTURES:
+        drafter = Eagle3DraftModel.from_pretrained(HERE / name)  # bf16, as shipped
+        tuning = tune_shape(target, drafter, tokenizer, prompts[:: max(1, len(prompts) // 6)][:6])
+        drafter.to(torch.bfloat16).save_pretrained(HERE / name)
+        (HERE / name / "tuning.json").write_text(json.dumps(tuning, indent=2, default=str))
+        write_model_card(HERE / name)
         print(f"{name}: chosen tree {tuning['choice']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="runs/demo_drafters", help="training runs, logs and the feature cache")
+    parser.add_argument("--prompts", type=int, default=480)
+    parser.add_argument("--steps", type=int, default=BUDGET["steps"])
+    parser.add_argument("--stage", choices=["all", "train", "tune"], default="all")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_pretrained(HERE / "target").eval()  # bf16, as shipped
+    tokenizer = AutoTokenizer.from_pretrained(HERE / "target")
+    work = Path(args.work)
+    prompts = training_prompts(args.prompts, work / "prompts.jsonl")
+    if args.stage in ("all", "train"):
+        train(target, tokenizer, prompts, work, args.steps)
+    if args.stage in ("all", "tune"):
+        tune(target.to("cpu"), tokenizer, prompts)
     return 0
 
 

@@ -8,6 +8,7 @@ The target is deep and narrow on purpose: on a CPU a 1-token forward costs mostl
 overhead, so 20 layers at width 256 make a target forward ~8x a 1-layer drafter's while staying
 within ~34 MB in bf16 (see measure_shapes.py). Training runs fp32 weights under bf16 autocast
 (~3x faster than fp32 here) and checkpoints every --ckpt-every steps; --resume picks up the last one.
+`--device cuda` trains on a GPU instead (the shipped small LM was trained that way: same data, same steps).
 
     nice -n 15 python examples/demo_pair/train_target.py --preset target
     nice -n 15 python examples/demo_pair/train_target.py --preset small_lm
@@ -82,7 +83,8 @@ def heldout_loss(model: LlamaForCausalLM, windows: dict[str, torch.Tensor], batc
     for pool, ids in windows.items():
         total = 0.0
         for chunk in ids.split(batch):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            chunk = chunk.to(model.device)
+            with torch.autocast(model.device.type, dtype=torch.bfloat16):
                 total += model(chunk, labels=chunk).loss.item() * len(chunk)
         losses[pool] = total / len(ids)
     losses["mean"] = sum(losses[p] for p in POOLS) / len(POOLS)
@@ -95,7 +97,7 @@ def greedy_samples(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, 
     model.eval()
     out = []
     for prompt in SAMPLE_PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt")
+        ids = tokenizer(prompt, return_tensors="pt").to(model.device)
         gen = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False)
         out.append(repr(tokenizer.decode(gen[0], skip_special_tokens=True)))
     model.train()
@@ -146,6 +148,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from <data>/ckpt_<preset>.pt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     steps = args.steps or DEFAULT_STEPS[args.preset]
     out = args.out or HERE / args.preset
@@ -158,13 +161,13 @@ def main() -> None:
     windows = eval_windows(heldout, args.seq, args.eval_windows)
     print("train tokens:", {p: len(s) for p, s in train.items()}, "held-out:", {p: len(s) for p, s in heldout.items()})
 
-    model = build_model(args.preset, tokenizer, max_positions=4 * args.seq)
+    model = build_model(args.preset, tokenizer, max_positions=4 * args.seq).to(args.device)
     optimizer = make_optimizer(model, args.lr)
     schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, args.warmup, steps, min_lr_rate=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     start_step, history = 0, []
     if args.resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -181,8 +184,8 @@ def main() -> None:
     started = time.time()
     bar = tqdm(range(start_step, steps), initial=start_step, total=steps, mininterval=30)
     for step in bar:
-        ids = sample_batch(train, args.batch, args.seq, gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids = sample_batch(train, args.batch, args.seq, gen).to(args.device)
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             loss = model(ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -203,13 +206,13 @@ def main() -> None:
     final = {k: v for k, v in history[-1].items() if k != "step"}
     summary = {
         "preset": args.preset, "shape": SHAPES[args.preset], "steps": steps, "batch": args.batch, "seq": args.seq,
-        "train_tokens_seen": steps * args.batch * args.seq, "lr": args.lr, "seed": args.seed,
+        "train_tokens_seen": steps * args.batch * args.seq, "lr": args.lr, "seed": args.seed, "device": args.device,
         "wall_minutes_this_run": round((time.time() - started) / 60, 1),
         "heldout_loss": final, "heldout_perplexity": {k: round(math.exp(v), 2) for k, v in final.items()},
         "heldout_eval_tokens_per_pool": args.eval_windows * args.seq,
         "corpus_sha256": json.loads((args.data / "summary.json").read_text())["sha256"], "history": history,
     }
-    save_final(model, tokenizer, out, summary)
+    save_final(model.cpu(), tokenizer, out, summary)
     print(json.dumps({k: summary[k] for k in ("heldout_loss", "heldout_perplexity")}, indent=1))
 
 
