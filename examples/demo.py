@@ -31,13 +31,14 @@ def main() -> int:
         return 0
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(DEMO / "target")
-    target = AutoModelForCausalLM.from_pretrained(DEMO / "target").eval()
+    # float32: most CPUs have no bf16 matrix units, and batched bf16 matmuls are slow there
+    target = AutoModelForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
     drafter = Eagle3DraftModel.from_pretrained(DEMO / "eagle31").to(target.dtype).eval()
     records = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()][:PROMPTS]
     settings = drafter.generation_config
     print(f"target: {target.config.num_hidden_layers}-layer Llama, {target.num_parameters() / 1e6:.1f}M parameters, "
-          f"{target.dtype}; drafter: EAGLE 3.1, {settings.speculation_mode} mode "
-          f"(depth {settings.tree_depth}, {settings.tree_total_tokens} tokens); {torch.get_num_threads()} CPU threads\n")
+          f"{target.dtype}; drafter: EAGLE 3.1, {settings.speculation_mode} mode (top-k {settings.tree_top_k}, "
+          f"depth {settings.tree_depth}, {settings.tree_total_tokens} tokens); {torch.get_num_threads()} CPU threads\n")
     timed_generate(target, tokenizer("def f(x):", return_tensors="pt").input_ids, assistant_model=drafter)  # warm-up
     totals = {"target": [0, 0.0], "eagle": [0, 0.0]}
     forwards = tokens = 0

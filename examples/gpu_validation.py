@@ -8,7 +8,7 @@
 1. the CUDA test suite (Triton tree-attention kernel tests) under pytest;
 2. the kernel against SDPA with a dense boolean mask at prefix 1k/4k/16k, tree size 64;
 3. lossless decoding on CUDA in bf16: tiny Llama/Qwen2 pairs, chain and tree, with
-   verify_attention="exact" (must match plain greedy exactly) and "kernel" (mismatches counted);
+   verify_mode="exact" (must match plain greedy exactly), "batched" and "kernel" (mismatches counted);
 4. a randomly initialised Llama-3.1-8B-shaped target in bf16 and nf4 (nf4 needs bitsandbytes):
    single-token step time, verify cost curve t(n)/t(1) for n up to 128, drafter tree cost per depth,
    and the memory planner's prediction against torch.cuda.max_memory_allocated.
@@ -54,16 +54,16 @@ def lossless_on_cuda() -> dict:
     for arch in ("llama", "qwen2"):
         target, drafter = trained_pair(arch, True, collapse_fallback=False)
         target, drafter = target.to("cuda", torch.bfloat16), drafter.to("cuda", torch.bfloat16)
-        for attention in ("exact", "kernel"):
+        for verify in ("exact", "batched", "kernel"):
             for mode in ("chain", "tree"):
-                drafter.generation_config.update(speculation_mode=mode, verify_attention=attention)
+                drafter.generation_config.update(speculation_mode=mode, verify_mode=verify)
                 same = 0
                 for i in range(len(PROMPTS)):
                     prompt = PROMPTS[i : i + 1].cuda()
                     expected = target.generate(prompt, do_sample=False, max_new_tokens=48)
                     out = target.generate(prompt, do_sample=False, max_new_tokens=48, assistant_model=drafter)
                     same += bool(torch.equal(out, expected))
-                results[f"{arch} {mode} {attention}"] = f"{same}/{len(PROMPTS)} identical"
+                results[f"{arch} {mode} {verify}"] = f"{same}/{len(PROMPTS)} identical"
         target.cpu().float(), drafter.cpu().float()
     return results
 
@@ -93,7 +93,8 @@ def real_shape(quant: str) -> dict:
     context = 1024
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context)
-    kernel_curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, use_kernel=True)
+    kernel_curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, mode="kernel")
+    exact_curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, mode="exact")
     drafts = {d: draft_cost(drafter, d, 10, context=context) for d in (1, 2, 4, 6, 8)}
     measured = torch.cuda.max_memory_allocated()
     plan = Planner(config).plan(quant, context=context + 128, tree_tokens=128)
@@ -103,6 +104,7 @@ def real_shape(quant: str) -> dict:
         "step_ms": curve[1] * 1e3,
         "verify_cost_ratio": {n: t / curve[1] for n, t in curve.items()},
         "verify_cost_ratio_kernel": {n: t / curve[1] for n, t in kernel_curve.items()},
+        "verify_cost_ratio_exact": {n: t / curve[1] for n, t in exact_curve.items()},
         "drafter_tree_ms": {d: s * 1e3 for d, s in drafts.items()},
         "max_memory_allocated_GiB": measured / 2**30,
         "planner_total_GiB": plan.total / 2**30,

@@ -19,10 +19,10 @@ SPECULATION_DEFAULTS: dict[str, Any] = {
     "max_speculation_depth": 10,
     "collapse_fallback": True,  # fall back to plain decoding when speculation does not pay
     "verify_chunk_depth": None,  # micro-batched tree verification: levels per target forward
-    # "exact": verify attention reproduces one-token decoding bit for bit, on every device;
-    # "kernel": the Triton tree-attention kernel on CUDA: faster at long contexts, but equal only up
-    # to summation order, so bf16 greedy output can differ from plain decoding where logits nearly tie
-    "verify_attention": "exact",
+    # how a verify forward is computed (see verification.VerifyPlan): "batched" (one SDPA call with
+    # the tree mask), "kernel" (the Triton tree-attention kernel on CUDA) or "exact" (bit-identical
+    # to one-token decoding on any device, at a higher verify cost)
+    "verify_mode": "batched",
 }
 
 

@@ -32,19 +32,20 @@ from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
-from hf_eagle31.verification import ATTENTION_NAME, verify_tree
+from hf_eagle31.verification import ATTENTION_NAME, VERIFY_MODES, VerifyPlan, exact_mode_hooks, verify_tree
+
 
 def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
     value = getattr(getattr(drafter, "generation_config", None), name, None)
     return SPECULATION_DEFAULTS[name] if value is None else value
 
 
-def verify_with_kernel(drafter: Eagle3DraftModel, target: PreTrainedModel) -> bool:
-    """Whether verify blocks use the Triton tree-attention kernel (see `verify_attention`)."""
-    setting = speculation_setting(drafter, "verify_attention")
-    if setting not in ("exact", "kernel"):
-        raise ValueError(f"verify_attention must be 'exact' or 'kernel', got {setting!r}")
-    return target.device.type == "cuda" and setting == "kernel"
+def verify_mode(drafter: Eagle3DraftModel) -> str:
+    """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`)."""
+    mode = speculation_setting(drafter, "verify_mode")
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {mode!r}")
+    return mode
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
@@ -100,10 +101,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         prepare_drafter(target, drafter)
         self.drafter = drafter
         self.layer_ids = drafter.config.target_layer_ids
-        self.model_kwargs_overrides = {
-            "output_hidden_states": capture_request(self.layer_ids),
-            "eagle_use_kernel": verify_with_kernel(drafter, target),
-        }
+        self.mode = verify_mode(drafter)
+        self.model_kwargs_overrides = {"output_hidden_states": capture_request(self.layer_ids), "eagle_verify_plan": None}
         self.state = DrafterState(drafter)
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = generation_config.temperature or 1.0
@@ -131,6 +130,7 @@ class EagleCandidateGenerator(CandidateGenerator):
 
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
+        self.model_kwargs_overrides["eagle_verify_plan"] = None
         if is_first_iteration:  # transformers' loop prefills first; we draft from its hidden states
             self.proposed = -1
             return input_ids, None
@@ -148,6 +148,9 @@ class EagleCandidateGenerator(CandidateGenerator):
         logits = self.drafter.expand_to_target_vocab(draft_logits.float() / self.temperature) if self.do_sample else None
         tokens, logits = self._cut_before_stop(input_ids, tokens, logits)
         self.proposed = tokens.shape[1]
+        if self.proposed:
+            plan = VerifyPlan.causal(self.proposed + 1, input_ids.device, self.mode)
+            self.model_kwargs_overrides["eagle_verify_plan"] = plan
         self.draft_seconds = time.perf_counter() - self.step_started
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), logits
 
@@ -212,13 +215,16 @@ def _length_controller(drafter: Eagle3DraftModel, start: int) -> LengthControlle
 
 
 @contextlib.contextmanager
-def verify_attention_enabled(target: PreTrainedModel):
-    """Switch the target to the `eagle_tree` attention function (see verification.py) while EAGLE decodes."""
+def eagle_verification(target: PreTrainedModel):
+    """While EAGLE decodes: the `eagle_tree` attention function and the "exact" mode hooks (see verification.py)."""
     previous = target.config._attn_implementation
     target.set_attn_implementation(ATTENTION_NAME)
+    hooks = exact_mode_hooks(target)
     try:
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
         target.set_attn_implementation(previous)
 
 
@@ -245,7 +251,7 @@ def eagle_tree_decoding(
 ):
     """Draft a tree, verify it in one target forward, accept the longest valid path, repeat.
 
-    Runs inside `verify_attention_enabled(model)` (the `generate` routing takes care of it).
+    Runs inside `eagle_verification(model)` (the `generate` routing takes care of it).
     """
     _check_tree_inputs(generation_config, model_kwargs)
     prepare_drafter(model, drafter)
@@ -259,7 +265,7 @@ def eagle_tree_decoding(
     top_k = speculation_setting(drafter, "tree_top_k")
     total_tokens = speculation_setting(drafter, "tree_total_tokens")
     chunk_depth = speculation_setting(drafter, "verify_chunk_depth")
-    use_kernel = verify_with_kernel(drafter, model)
+    mode = verify_mode(drafter)
     do_sample = bool(generation_config.do_sample)
     scores_out = [] if generation_config.return_dict_in_generate and generation_config.output_scores else None
     logits_out = [] if generation_config.return_dict_in_generate and generation_config.output_logits else None
@@ -305,7 +311,7 @@ def eagle_tree_decoding(
         else:
             tree = DraftTree.root_only(root)
         drafted = time.perf_counter()
-        result = verify_tree(model, cache, tree, layer_ids, emit, state.push, chunk_depth, use_kernel)
+        result = verify_tree(model, cache, tree, layer_ids, emit, state.push, chunk_depth, mode)
         stop = result.stopped
         done = time.perf_counter()
         if speculate:
@@ -363,7 +369,7 @@ def install() -> None:
                 f"EAGLE decoding supports batch size 1 (got {input_ids.shape[0]} sequences): "
                 "call generate once per prompt."
             )
-        with verify_attention_enabled(self):
+        with eagle_verification(self):
             if speculation_setting(drafter, "speculation_mode") == "chain":
                 return assisted(self, input_ids, *args, **kwargs)
             for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):

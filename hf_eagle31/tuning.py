@@ -1,20 +1,22 @@
 """Hardware-aware speculation size: pick the draft shape that maximises tokens per second here.
 
 Verifying n tokens costs t(n); on a GPU t(n) / t(1) stays near 1 up to dozens of tokens, on a
-2-core CPU it grows almost linearly. The right chain length or tree size therefore depends on the
-device as much as on the drafter. This module measures t(n) / t(1) for the target, the drafter's
-cost per draft level, and the acceptance the drafter actually achieves, then predicts
+2-core CPU it grows quickly. The right chain length or tree size therefore depends on the device
+as much as on the drafter. This module measures t(n) / t(1) for the target, the drafter's cost
+per draft tree, and the acceptance the drafter actually achieves, then predicts
 
     speedup(draft shape) = tau(shape) * t(1) / (t_verify(shape) + t_draft(shape))
 
-for every candidate shape and picks the best. One calibration run with the largest shape is
-enough: a tree's nodes carry their score rank, and the best n ranks are exactly the tree a smaller
-`tree_total_tokens` would have kept (see `drafting._select_tree`), so each step's accepted path can
-be re-scored for every smaller shape.
+for every candidate shape and picks the best. Candidates come in families of one `top_k` (1 is
+a chain). One calibration run per family with its largest shape is enough: a tree's nodes carry
+their score rank, and the best n ranks are exactly the tree a smaller `tree_total_tokens` would
+have kept (see `drafting._select_tree`), so each step's accepted path can be re-scored for every
+smaller shape of the family.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -22,9 +24,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
-from hf_eagle31.generation import verify_attention_enabled
+from hf_eagle31.generation import eagle_verification, verify_mode
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.verification import verify_block
+
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 48, 64)
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -60,17 +64,17 @@ def verify_cost_curve(
     context: int = 256,
     depth: int = 6,
     repeats: int = 5,
-    use_kernel: bool = False,
+    mode: str = "batched",
 ) -> dict[int, float]:
     """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
 
-    Measured the way tree decoding verifies: EAGLE's attention function, a tree-shaped mask, the
-    drafter's features captured; `use_kernel` times the Triton kernel instead of the exact path.
+    Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
+    mask, the drafter's features captured.
     """
     device = target.device
     prompt = torch.randint(3, target.config.get_text_config().vocab_size, (1, context), device=device)
     costs = {}
-    with verify_attention_enabled(target):
+    with eagle_verification(target):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
         for n in sizes:
@@ -78,7 +82,7 @@ def verify_cost_curve(
             mask = tree.ancestor_mask()
 
             def forward():
-                verify_block(target, cache, tree.tokens, context + tree.depths, mask, target_layer_ids, use_kernel)
+                verify_block(target, cache, tree.tokens, context + tree.depths, mask, target_layer_ids, mode)
                 cache.crop(-n)
 
             forward()  # warm-up
@@ -119,12 +123,46 @@ def projected_tau(accepted_ranks: list[list[int]], total_tokens: int, depth: int
     return sum(emitted) / max(len(emitted), 1)
 
 
+@contextlib.contextmanager
+def speculation_settings(drafter: Eagle3DraftModel, **settings):
+    """Set drafter generation-config fields for the block, then restore them."""
+    config = drafter.generation_config
+    saved = {name: getattr(config, name, None) for name in settings}
+    config.update(**settings)
+    try:
+        yield
+    finally:
+        config.update(**saved)
+
+
+def calibrate(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor], max_new_tokens: int,
+              top_k: int, depth: int, total_tokens: int) -> list[list[int]]:
+    """Accepted ranks per step from greedy decoding with the family's largest shape, speculation held fixed."""
+    ranks = []
+    with speculation_settings(drafter, speculation_mode="tree", dynamic_speculation=False, collapse_fallback=False,
+                              tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total_tokens):
+        for prompt in prompts:
+            target.generate(prompt.to(target.device), do_sample=False, max_new_tokens=max_new_tokens,
+                            assistant_model=drafter)
+            ranks += drafter.speculation_stats.accepted_ranks
+    return ranks
+
+
 @dataclass
 class TuningReport:
     verify_curve: dict[int, float]  # n -> seconds
-    draft_seconds: dict[int, float]  # depth -> seconds per tree
+    draft_seconds: dict[int, dict[int, float]]  # top_k -> depth -> seconds per tree
     candidates: list[dict] = field(default_factory=list)  # shape, tau, predicted speedup
-    choice: dict = field(default_factory=dict)
+    calibration_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # top_k -> ranks
+
+    def best(self, chain: bool) -> dict:
+        """The fastest predicted chain (top_k 1) or tree (top_k > 1); {} if there is none."""
+        family = [c for c in self.candidates if (c["tree_top_k"] == 1) == chain]
+        return max(family, key=lambda c: c["speedup"]) if family else {}
+
+    @property
+    def choice(self) -> dict:
+        return max(self.candidates, key=lambda c: c["speedup"])
 
     def as_dict(self) -> dict:
         return {
@@ -133,46 +171,70 @@ class TuningReport:
             "draft_seconds": self.draft_seconds,
             "candidates": self.candidates,
             "choice": self.choice,
+            "best_chain": self.best(chain=True),
+            "best_tree": self.best(chain=False),
+            "calibration_ranks": self.calibration_ranks,
         }
 
 
 def choose_tree_shape(
     target: PreTrainedModel,
     drafter: Eagle3DraftModel,
-    accepted_ranks: list[list[int]],
-    top_k: int,
+    ranks_by_top_k: dict[int, list[list[int]]],
     max_depth: int,
     max_tokens: int,
     context: int = 256,
 ) -> TuningReport:
-    """Pick `tree_depth` and `tree_total_tokens` (at this `top_k`) maximising the predicted speedup.
+    """Predict the speedup of every candidate shape from this device's costs and the measured acceptance.
 
-    `accepted_ranks` come from a calibration run at `max_depth`, `max_tokens` and `top_k` with
-    dynamic speculation off (`drafter.speculation_stats.accepted_ranks`).
+    `ranks_by_top_k[k]` come from a calibration run at top_k `k`, `max_depth` levels and
+    `max_tokens` tokens (a chain of `max_depth` for k = 1), see `calibrate`.
     """
-    sizes = sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128} | {max_tokens + 1})
-    sizes = [n for n in sizes if n <= max_tokens + 1]
-    from hf_eagle31.generation import verify_with_kernel
+    sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
+    mode = verify_mode(drafter)
+    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, mode=mode)
+    drafts = {k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)} for k in ranks_by_top_k}
+    return TuningReport(curve, drafts, rank_candidates(curve, drafts, ranks_by_top_k), ranks_by_top_k)
 
-    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context,
-                              use_kernel=verify_with_kernel(drafter, target))
-    drafts = {d: draft_cost(drafter, d, top_k, context=context) for d in range(1, max_depth + 1)}
-    report = TuningReport(curve, drafts)
-    for depth in range(1, max_depth + 1):
-        for total in sizes[1:]:
-            nodes = total - 1
-            if nodes < depth:
-                continue
-            tau = projected_tau(accepted_ranks, nodes, depth)
-            seconds = curve[total] + drafts[depth]
-            report.candidates.append(
-                {"tree_depth": depth, "tree_total_tokens": nodes, "tau": tau, "speedup": tau * curve[1] / seconds}
-            )
-    report.choice = max(report.candidates, key=lambda c: c["speedup"])
-    return report
+
+def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, dict[int, float]],
+                    ranks_by_top_k: dict[int, list[list[int]]]) -> list[dict]:
+    """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per tree."""
+    candidates = []
+    for top_k, ranks in ranks_by_top_k.items():
+        for depth, draft in draft_seconds[top_k].items():
+            for total, verify in verify_seconds.items():
+                nodes = total - 1
+                if nodes < depth or (top_k == 1 and nodes != depth):
+                    continue
+                tau = projected_tau(ranks, nodes, depth)
+                candidates.append({"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": nodes, "tau": tau,
+                                   "speedup": tau * verify_seconds[1] / (verify + draft)})
+    return candidates
 
 
 def apply_choice(drafter: Eagle3DraftModel, report: TuningReport) -> None:
-    """Store the chosen shape in the drafter's generation config (saved with `save_pretrained`)."""
-    drafter.generation_config.tree_depth = report.choice["tree_depth"]
-    drafter.generation_config.tree_total_tokens = report.choice["tree_total_tokens"]
+    """Store the best chain length, the best tree and the faster mode in the drafter's generation config.
+
+    The chosen depths also cap dynamic speculation, which may still shorten drafts on hard text.
+    """
+    chain, tree = report.best(chain=True), report.best(chain=False)
+    config = drafter.generation_config
+    if chain:
+        config.num_assistant_tokens = chain["tree_depth"]
+    if tree:
+        config.update(tree_top_k=tree["tree_top_k"], tree_depth=tree["tree_depth"],
+                      tree_total_tokens=tree["tree_total_tokens"])
+    config.max_speculation_depth = max(chain.get("tree_depth", 1), tree.get("tree_depth", 1))
+    config.speculation_mode = "chain" if report.choice is chain else "tree"
+
+
+def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],
+                 max_new_tokens: int = 96, top_ks: tuple[int, ...] = (1, 3, 10), max_depth: int = 8,
+                 max_tokens: int = 64) -> TuningReport:
+    """Calibrate on `prompts` (token ids), measure this device's costs, choose a shape and apply it."""
+    ranks = {k: calibrate(target, drafter, prompts, max_new_tokens, k, max_depth, max_depth if k == 1 else max_tokens)
+             for k in top_ks}
+    report = choose_tree_shape(target, drafter, ranks, max_depth, max_tokens)
+    apply_choice(drafter, report)
+    return report

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -24,33 +26,41 @@ from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention
 
 ATTENTION_NAME = "eagle_tree"
+VERIFY_MODES = ("batched", "kernel", "exact")
 
 
 @dataclass
 class VerifyPlan:
-    """Which cached keys each token of a verify block may see, worked out once per target forward.
+    """How one verify forward computes the block's attention: its `[n, n]` ancestor mask and the mode.
 
-    `mask` is the block's `[n, n]` ancestor mask (keys before the block are visible to all). For
-    the CPU path, nodes are grouped by how many block keys they see: `groups` holds, per group,
-    the node indices and the visible block columns `[g, count]`. Every layer reuses the plan.
+    Keys before the block are visible to every block token. The modes (`verify_mode` in the
+    drafter's generation config):
+      * "batched": one SDPA call over the block with the tree mask, like every serving engine;
+      * "kernel": the Triton tree-attention kernel (CUDA; "batched" elsewhere);
+      * "exact": every block token computed the way a one-token decode step computes it, so the
+        logits are bit-identical to plain decoding on any device (see `decode_equivalent_attention`
+        and `RowByRowLinear`).
     """
 
     mask: torch.Tensor
-    groups: list[tuple[torch.Tensor, torch.Tensor]]
+    mode: str = "batched"
+    _full_mask: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
 
-    @classmethod
-    def from_mask(cls, mask: torch.Tensor) -> "VerifyPlan":
-        counts = mask.sum(dim=-1)
-        groups = []
-        for count in counts.unique().tolist():
-            nodes = (counts == count).nonzero().flatten()
-            groups.append((nodes, mask[nodes].nonzero()[:, 1].view(nodes.shape[0], count)))
-        return cls(mask, groups)
+    def __post_init__(self) -> None:
+        if self.mode not in VERIFY_MODES:
+            raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.mode!r}")
 
     @classmethod
     @functools.lru_cache(maxsize=64)
-    def causal(cls, n: int, device: torch.device) -> "VerifyPlan":
-        return cls.from_mask(torch.ones(n, n, dtype=torch.bool, device=device).tril())
+    def causal(cls, n: int, device: torch.device, mode: str = "batched") -> "VerifyPlan":
+        return cls(torch.ones(n, n, dtype=torch.bool, device=device).tril(), mode)
+
+    def attention_mask(self, total: int) -> torch.Tensor:
+        """`[1, 1, n, total]` bool: the whole prefix plus the ancestors; built once, shared by every layer."""
+        if self._full_mask is None or self._full_mask[0] != total:
+            n = self.mask.shape[0]
+            self._full_mask = (total, torch.cat([self.mask.new_ones(n, total - n), self.mask], dim=1)[None, None])
+        return self._full_mask[1]
 
 
 def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -58,11 +68,9 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
 
     transformers builds no mask for it. A prefill or a one-token step is exactly transformers' SDPA
     path; a verify block (a chain, or a tree whose `VerifyPlan` arrives as the `eagle_verify_plan`
-    forward kwarg) sees the cached prefix plus its own ancestors, computed by the Triton kernel if
-    the `eagle_use_kernel` kwarg says so (CUDA only), else decode-equivalently.
+    forward kwarg) sees the cached prefix plus its own ancestors, computed as the plan's mode says.
     """
     plan = kwargs.pop("eagle_verify_plan", None)
-    use_kernel = kwargs.pop("eagle_use_kernel", False)
     n, total = query.shape[2], key.shape[2]
     if plan is None and n in (1, total):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -73,41 +81,77 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
             f"({total} > {window} tokens); use this target without an EAGLE drafter for such long inputs."
         )
     plan = plan or VerifyPlan.causal(n, query.device)
-    if use_kernel and query.is_cuda:
+    if plan.mode == "exact":
+        return decode_equivalent_attention(module, query, key, value, plan, scaling, dropout, **kwargs)
+    if plan.mode == "kernel" and query.is_cuda:
         return tree_attention(query, key, value, plan.mask, scaling).transpose(1, 2).contiguous(), None
-    return decode_equivalent_attention(module, query, key, value, plan, scaling, dropout, **kwargs)
+    # torch's SDPA directly: transformers' wrapper copies K/V per query head whenever a mask is given
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.attention_mask(total), scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
 
 
 def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, scaling, dropout, **kwargs):
     """The verify block's attention computed the way one-token decoding computes it.
 
     Why: one batched attention over the block sums in a different order than a decode step does,
-    and in bf16 that flips near-tied argmaxes, so greedy output would drift from plain `generate`.
-    Each node instead runs transformers' SDPA with a single query over exactly the keys a decode
-    step at its position would see: the prefix, then its ancestors in order. Nodes that see the
-    same number of keys share one batched call: on CPU, SDPA is batch-invariant in bf16/fp16, so
-    this is bit-exact there; in fp32 batching can change the last bit (~1e-8 relative).
-    A chain node's keys are a contiguous slice of the cache (no copy); a tree node's are gathered.
+    which can flip a near-tied argmax (often, in bf16). Each node instead runs transformers' SDPA
+    with a single query over exactly the keys a decode step at its position would see: the prefix,
+    then its ancestors in order. A chain node's keys are a contiguous slice of the cache (no copy);
+    a tree node's are gathered.
     """
     prefix = key.shape[2] - plan.mask.shape[0]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for nodes, visible in plan.groups:
-        count = visible.shape[1]
-        if nodes.shape[0] == 1 and int(visible[0, -1]) == count - 1:  # a chain node
+    for node, row in enumerate(plan.mask):
+        visible = row.nonzero().flatten()
+        count = visible.shape[0]
+        if int(visible[-1]) == count - 1:  # the node and all block tokens before it: a slice
             keys, values = key[:, :, : prefix + count], value[:, :, : prefix + count]
         else:
-            index = torch.cat([torch.arange(prefix, device=visible.device).expand(nodes.shape[0], -1), prefix + visible], 1)
-            keys, values = (gather_keys(cached[0], index) for cached in (key, value))
-        queries = query[0].transpose(0, 1)[nodes, :, None]  # [g, heads, 1, dim], laid out like a decode step's
-        attended, _ = sdpa_attention_forward(module, queries, keys, values, None, dropout=dropout, scaling=scaling, **kwargs)
-        out[0, nodes] = attended[:, 0]
+            index = torch.cat([torch.arange(prefix, device=visible.device), prefix + visible])
+            keys, values = key.index_select(2, index), value.index_select(2, index)
+        attended, _ = sdpa_attention_forward(module, query[:, :, node : node + 1], keys, values, None,
+                                             dropout=dropout, scaling=scaling, **kwargs)
+        out[:, node] = attended[:, 0]
     return out, None
 
 
-def gather_keys(cached: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`[heads, S, dim]` gathered to `[g, heads, L, dim]` at `index [g, L]` (index_select: ~30% faster than indexing)."""
-    heads, dim = cached.shape[0], cached.shape[-1]
-    return cached.index_select(1, index.flatten()).view(heads, *index.shape, dim).transpose(0, 1).contiguous()
+class RowByRowLinear(TorchFunctionMode):
+    """Inside an "exact" verify forward, every linear layer runs one block token at a time.
+
+    Why: a matrix multiply over n rows is not bit-identical, row for row, to n one-row multiplies on
+    most backends (MKL and oneDNN on CPU, cuBLAS on CUDA choose other kernels and reduction orders by
+    shape), and plain decoding multiplies one row. Everything else in a decoder layer (norms,
+    rotary, activations) works row by row already.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and args[0].dim() >= 2 and args[0].shape[-2] > 1:
+            rows = args[0]
+            return torch.cat([func(rows[..., i : i + 1, :], *args[1:], **kwargs) for i in range(rows.shape[-2])], -2)
+        return func(*args, **kwargs)
+
+
+def _enter_exact_mode(module, args, kwargs):
+    plan = kwargs.get("eagle_verify_plan")
+    if plan is not None and plan.mode == "exact":
+        module._eagle_row_by_row = RowByRowLinear()
+        module._eagle_row_by_row.__enter__()
+
+
+def _leave_exact_mode(module, args, kwargs, output):
+    mode = module.__dict__.pop("_eagle_row_by_row", None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+def exact_mode_hooks(target: PreTrainedModel) -> list:
+    """Hooks that run "exact" verify forwards under `RowByRowLinear` (they see the plan in the forward's kwargs)."""
+    return [
+        target.register_forward_pre_hook(_enter_exact_mode, with_kwargs=True),
+        target.register_forward_hook(_leave_exact_mode, with_kwargs=True, always_call=True),
+    ]
 
 
 AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
@@ -126,17 +170,16 @@ def verify_block(
     positions: torch.Tensor,
     ancestor_mask: torch.Tensor,
     target_layer_ids: list[int],
-    use_kernel: bool = False,
+    mode: str = "batched",
 ) -> BlockOutput:
-    """One target forward over the block (the target must be using `eagle_tree` attention)."""
+    """One target forward over the block (the target must be in `eagle_decoding` mode)."""
     out = target(
         input_ids=tokens[None],
         position_ids=positions[None],
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=capture_request(target_layer_ids),
-        eagle_verify_plan=VerifyPlan.from_mask(ancestor_mask),
-        eagle_use_kernel=use_kernel,
+        eagle_verify_plan=VerifyPlan(ancestor_mask, mode),
     )
     return BlockOutput(out.logits[0].float(), select_features(out.hidden_states, target_layer_ids)[0])
 
@@ -190,7 +233,7 @@ def verify_tree(
     emit: Callable[[int, torch.Tensor, torch.Tensor], tuple[int, bool]],
     push_features: Callable[[torch.Tensor, torch.Tensor], None],
     chunk_depth: int | None = None,
-    use_kernel: bool = False,
+    mode: str = "batched",
 ) -> StepResult:
     """Verify `tree` (root = last emitted token, not yet in the cache), walk, compact, feed the drafter.
 
@@ -211,7 +254,7 @@ def verify_tree(
         block_start = cache.get_seq_length()
         mask = tree.ancestor_mask()[block][:, block]
         out = verify_block(
-            target, cache, tree.tokens[block], position_base + tree.depths[block], mask, target_layer_ids, use_kernel
+            target, cache, tree.tokens[block], position_base + tree.depths[block], mask, target_layer_ids, mode
         )
         forwards += 1
         local = {int(node): i for i, node in enumerate(block.tolist())}

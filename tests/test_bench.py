@@ -8,7 +8,7 @@ from tiny_models import PROMPTS, trained_pair
 
 from hf_eagle31.bench.report import write_results
 from hf_eagle31.bench.runner import Method, run_all
-from hf_eagle31.tuning import choose_tree_shape, projected_tau, verify_cost_curve
+from hf_eagle31.tuning import apply_choice, choose_tree_shape, projected_tau, verify_cost_curve
 
 
 def test_projected_tau_rescores_accepted_paths_for_smaller_drafts():
@@ -33,11 +33,19 @@ def test_tree_shape_choice_and_verify_curve():
     target, drafter = trained_pair("llama", True)
     curve = verify_cost_curve(target, [1, 4, 16], drafter.config.target_layer_ids, context=32, repeats=2)
     assert set(curve) == {1, 4, 16} and all(t > 0 for t in curve.values())
-    ranks = [[0, 1, 2], [0, 1], [0, 3, 4, 5]] * 3
-    report = choose_tree_shape(target, drafter, ranks, top_k=4, max_depth=3, max_tokens=8, context=32)
+    ranks = {1: [[0, 1], [0], [0, 1, 2]] * 3, 4: [[0, 1, 2], [0, 1], [0, 3, 4, 5]] * 3}
+    report = choose_tree_shape(target, drafter, ranks, max_depth=3, max_tokens=8, context=32)
     best = max(report.candidates, key=lambda c: c["speedup"])
     assert report.choice == best and 1 <= best["tree_depth"] <= 3 and best["tree_total_tokens"] <= 8
+    chains = [c for c in report.candidates if c["tree_top_k"] == 1]
+    assert {c["tree_depth"] for c in chains} == {1, 2, 3} and all(c["tree_total_tokens"] == c["tree_depth"] for c in chains)
+    assert report.best(chain=True) == max(chains, key=lambda c: c["speedup"])
     assert report.as_dict()["verify_cost_ratio"][1] == 1.0
+    apply_choice(drafter, report)
+    settings = drafter.generation_config
+    assert settings.num_assistant_tokens == report.best(chain=True)["tree_depth"]
+    assert settings.tree_top_k == 4 and settings.tree_total_tokens == report.best(chain=False)["tree_total_tokens"]
+    assert settings.speculation_mode == ("chain" if report.choice["tree_top_k"] == 1 else "tree")
 
 
 def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path):
@@ -81,3 +89,42 @@ def test_drift_study_writes_its_table_and_plot(tmp_path):
         assert all(0.0 <= m <= 1.0 for m in results[name]["mechanism"]["sink_attention"])
         assert results[name]["context_length"]
     assert (tmp_path / "drift.png").stat().st_size > 0 and "acceptance at depth 10" in (tmp_path / "drift.md").read_text()
+
+
+def test_tune_drafter_calibrates_without_leaving_its_settings_behind():
+    from hf_eagle31.tuning import tune_drafter
+
+    target, drafter = trained_pair("llama", True, dynamic_speculation=True, collapse_fallback=True)
+    report = tune_drafter(target, drafter, [PROMPTS[0:1]], max_new_tokens=16, top_ks=(1, 3), max_depth=3, max_tokens=8)
+    assert set(report.calibration_ranks) == {1, 3} and report.calibration_ranks[1]
+    settings = drafter.generation_config
+    assert settings.dynamic_speculation and settings.collapse_fallback  # calibration held them off, then restored
+    assert settings.tree_top_k == 3 and settings.num_assistant_tokens == report.best(chain=True)["tree_depth"]
+
+
+def test_candidates_follow_the_speedup_formula():
+    from hf_eagle31.tuning import rank_candidates
+
+    verify = {1: 1.0, 2: 1.2, 3: 1.5}
+    drafts = {1: {1: 0.1, 2: 0.2}, 3: {1: 0.3, 2: 0.5}}
+    ranks = {1: [[0, 1], [0], []], 3: [[0, 1], [1], [0]]}
+    candidates = rank_candidates(verify, drafts, ranks)
+    shapes = {(c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"]) for c in candidates}
+    assert shapes == {(1, 1, 1), (1, 2, 2), (3, 1, 1), (3, 1, 2), (3, 2, 2)}  # a chain keeps depth == tokens
+    chain = next(c for c in candidates if (c["tree_top_k"], c["tree_depth"]) == (1, 2))
+    assert chain["tau"] == pytest.approx((3 + 2 + 1) / 3) and chain["speedup"] == pytest.approx(chain["tau"] / (1.5 + 0.2))
+
+
+def test_projection_to_a_real_shape_measures_and_extrapolates():
+    from transformers import LlamaConfig
+
+    from hf_eagle31.bench.projection import measure_costs, project
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2)
+    costs = measure_costs(config, [1, 2, 4], [1, 2], top_ks=(1, 3), draft_vocab_size=128, context=16,
+                          dtype=torch.float32)
+    assert costs["probe_layers"] == [1, 3] and costs["extrapolated_to"] == 8
+    assert all(t > 0 for t in costs["verify_seconds"].values()) and set(costs["draft_seconds"]) == {1, 3}
+    result = project(costs, {1: [[0, 1], [0]], 3: [[0, 1], [2]]})
+    assert result["verify_cost_ratio"][1] == 1.0 and result["best"]["speedup"] > 0

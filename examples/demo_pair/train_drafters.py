@@ -29,13 +29,13 @@ from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.training import train_drafter
 from hf_eagle31.training.data import load_sequences
 from hf_eagle31.training.trainer import DISTILLED
-from hf_eagle31.tuning import apply_choice, choose_tree_shape
+from hf_eagle31.tuning import tune_drafter
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from build_prompts import function_openings, paragraph_openings  # noqa: E402
 
-BUDGET = dict(draft_vocab_size=4096, ttt_steps=6, steps=900, batch_size=16, lr=1e-3, max_length=320,
+BUDGET = dict(draft_vocab_size=4096, ttt_steps=6, steps=1200, batch_size=16, lr=1e-3, max_length=320,
               answer_max_new_tokens=128, save_every=150, seed=0)
 ARCHITECTURES = (("eagle3", "eagle3"), ("eagle3.1", "eagle31"))  # (--arch, folder)
 
@@ -54,20 +54,6 @@ def training_prompts(count: int, cache: Path) -> list[dict]:
     return prompts
 
 
-def tune_shape(target, drafter, tokenizer, prompts: list[dict]) -> dict:
-    drafter.generation_config.update(speculation_mode="tree", dynamic_speculation=False, tree_depth=8,
-                                     tree_total_tokens=64, collapse_fallback=False)
-    ranks = []
-    for record in prompts:
-        ids = tokenizer(record["turns"][0], return_tensors="pt").input_ids
-        target.generate(ids, do_sample=False, max_new_tokens=96, assistant_model=drafter)
-        ranks += drafter.speculation_stats.accepted_ranks
-    report = choose_tree_shape(target, drafter, ranks, top_k=10, max_depth=8, max_tokens=64)
-    drafter.generation_config.update(dynamic_speculation=True, collapse_fallback=True)
-    apply_choice(drafter, report)
-    return report.as_dict()
-
-
 def train(target, tokenizer, prompts: list[dict], work: Path, steps: int) -> None:
     budget = {**BUDGET, "steps": steps, "feature_cache": str(work / "features")}
     data = prompts
@@ -82,24 +68,25 @@ def train(target, tokenizer, prompts: list[dict], work: Path, steps: int) -> Non
 
 
 def tune(target, tokenizer, prompts: list[dict]) -> None:
+    calibration = [tokenizer(p["turns"][0], return_tensors="pt").input_ids for p in prompts[:: max(1, len(prompts) // 6)][:6]]
     for _, name in ARCHITECTURES:
-        drafter = Eagle3DraftModel.from_pretrained(HERE / name)  # bf16, as shipped
-        tuning = tune_shape(target, drafter, tokenizer, prompts[:: max(1, len(prompts) // 6)][:6])
-        drafter.to(torch.bfloat16).save_pretrained(HERE / name)
-        (HERE / name / "tuning.json").write_text(json.dumps(tuning, indent=2, default=str))
+        drafter = Eagle3DraftModel.from_pretrained(HERE / name).to(target.dtype)
+        report = tune_drafter(target, drafter, calibration)
+        drafter.to(torch.bfloat16).save_pretrained(HERE / name)  # bf16 on disk, as shipped
+        (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=2, default=str))
         write_model_card(HERE / name)
-        print(f"{name}: chosen tree {tuning['choice']}")
+        print(f"{name}: chosen {report.choice}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="runs/demo_drafters", help="training runs, logs and the feature cache")
-    parser.add_argument("--prompts", type=int, default=480)
+    parser.add_argument("--prompts", type=int, default=8000)
     parser.add_argument("--steps", type=int, default=BUDGET["steps"])
     parser.add_argument("--stage", choices=["all", "train", "tune"], default="all")
     args = parser.parse_args()
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_pretrained(HERE / "target").eval()  # bf16, as shipped
+    target = AutoModelForCausalLM.from_pretrained(HERE / "target", dtype=torch.float32).eval()  # as the demo runs it on a CPU
     tokenizer = AutoTokenizer.from_pretrained(HERE / "target")
     work = Path(args.work)
     prompts = training_prompts(args.prompts, work / "prompts.jsonl")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 DEMO = Path("examples/demo_pair")
+CALIBRATION_PROMPTS = 4
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -25,11 +26,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--eagle31", default=str(DEMO / "eagle31"), help="EAGLE 3.1 drafter ('' to skip)")
     add("--assistant", default=str(DEMO / "small_lm"), help="small LM for transformers' assisted generation ('' to skip)")
     add("--prompts", default=str(DEMO / "heldout_prompts.jsonl"), help="JSONL with 'text' or 'turns' per line")
-    add("--num-prompts", type=int, default=10)
+    add("--num-prompts", type=int, default=20, help="prompts measured, spread over the file; "
+        f"{CALIBRATION_PROMPTS} others calibrate the tuning")
     add("--max-new-tokens", type=int, default=128)
     add("--prompt-lookup-tokens", type=int, default=10)
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    add("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's dtype on CUDA), bfloat16, float16 "
+        "or float32")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
     add("--project", nargs="+", metavar="SHAPE", help="also project speedups to real model shapes "
@@ -37,13 +40,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--out", default="runs/bench")
 
 
-def read_texts(path: str, limit: int) -> list[str]:
+def read_texts(path: str) -> list[str]:
     """Prompt texts from JSONL lines with `text` or `turns` (the first turn)."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    texts = [r["text"] if "text" in r else r["turns"][0] for r in records][:limit]
+    texts = [r["text"] if "text" in r else r["turns"][0] for r in records]
     if not texts:
         raise ValueError(f"no prompts in {path}")
     return texts
+
+
+def split_prompts(texts: list[str], measured: int, calibration: int = CALIBRATION_PROMPTS) -> tuple[list[str], list[str]]:
+    """`measured` prompts spread evenly over the file, and up to `calibration` others for tuning.
+
+    Spreading keeps every kind of prompt in a file sorted by kind; tuning on prompts that are not
+    measured keeps the choice of draft shape honest.
+    """
+    pick = lambda items, n: [items[i * len(items) // n] for i in range(min(n, len(items)))]  # noqa: E731
+    chosen = pick(texts, measured)
+    rest = [t for t in texts if t not in chosen]
+    return chosen, pick(rest, calibration) or chosen[:calibration]
 
 
 def load_models(args):
@@ -52,7 +67,10 @@ def load_models(args):
     from hf_eagle31.generation import prepare_drafter
     from hf_eagle31.modeling import Eagle3DraftModel
 
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    if args.dtype == "auto":  # most CPUs have no bf16 matrix units: batched bf16 matmuls are slow there
+        dtype = torch.float32 if args.device == "cpu" else "auto"
+    else:
+        dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafters = {}
@@ -67,22 +85,23 @@ def load_models(args):
     return target, tokenizer, drafters, assistant
 
 
-def tune(target, drafter, prompts, max_new_tokens) -> dict:
-    """Calibrate on a few prompts with a large tree, then choose the shape for this device."""
-    from hf_eagle31.tuning import apply_choice, choose_tree_shape
+def machine(device: str) -> str:
+    """What ran the benchmark, in words: the GPU, or the CPU model and the threads torch used."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"{model}, {torch.get_num_threads()} threads (CPU)"
 
-    top_k, depth, tokens = drafter.generation_config.tree_top_k or 10, 8, 64
-    saved = {k: getattr(drafter.generation_config, k) for k in ("speculation_mode", "dynamic_speculation", "tree_depth", "tree_total_tokens", "collapse_fallback")}
-    drafter.generation_config.update(speculation_mode="tree", dynamic_speculation=False, tree_depth=depth,
-                                     tree_total_tokens=tokens, collapse_fallback=False)
-    ranks = []
-    for prompt in prompts[:3]:
-        target.generate(prompt.to(target.device), do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter)
-        ranks += drafter.speculation_stats.accepted_ranks
-    drafter.generation_config.update(**saved)
-    report = choose_tree_shape(target, drafter, ranks, top_k=top_k, max_depth=depth, max_tokens=tokens)
-    apply_choice(drafter, report)
-    return {**report.as_dict(), "calibration_ranks": ranks}
+
+def tune(target, drafter, prompts, max_new_tokens) -> dict:
+    """Calibrate on a few prompts, then choose the draft shape for this device (see `hf_eagle31.tuning`)."""
+    from hf_eagle31.tuning import tune_drafter
+
+    return tune_drafter(target, drafter, prompts, max_new_tokens).as_dict()
 
 
 def methods_for(drafters, assistant, lookup_tokens):
@@ -94,11 +113,12 @@ def methods_for(drafters, assistant, lookup_tokens):
     methods.append(Method("prompt lookup", {"prompt_lookup_num_tokens": lookup_tokens}))
     for name, drafter in drafters.items():
         for mode in ("chain", "tree"):
-            methods.append(Method(f"{name} {mode}", {"assistant_model": drafter},
-                                  {"speculation_mode": mode, "verify_chunk_depth": None}))
-    if "EAGLE 3.1" in drafters:  # the micro-batched ("batch-sequential") verification option, measured
-        methods.append(Method("EAGLE 3.1 tree, micro-batched verify", {"assistant_model": drafters["EAGLE 3.1"]},
+            methods.append(Method(f"{name} {mode}", {"assistant_model": drafter}, {"speculation_mode": mode}))
+    if "EAGLE 3.1" in drafters:  # the options measured: micro-batched and bit-exact verification
+        drafter = {"assistant_model": drafters["EAGLE 3.1"]}
+        methods.append(Method("EAGLE 3.1 tree, micro-batched verify", drafter,
                               {"speculation_mode": "tree", "verify_chunk_depth": 2}))
+        methods.append(Method("EAGLE 3.1 tree, exact verify", drafter, {"speculation_mode": "tree", "verify_mode": "exact"}))
     return methods
 
 
@@ -123,19 +143,21 @@ def run(args: argparse.Namespace) -> int:
     from hf_eagle31.bench.runner import run_all
 
     target, tokenizer, drafters, assistant = load_models(args)
-    texts = read_texts(args.prompts, args.num_prompts)
+    texts = read_texts(args.prompts)
     if args.drift:
         from hf_eagle31.bench.drift import run_drift_study
 
         return run_drift_study(target, tokenizer, drafters, texts, args)
-    prompts = [tokenizer(text, return_tensors="pt").input_ids.to(args.device) for text in texts]
-    tuning = {} if args.no_tune else {name: tune(target, d, prompts, args.max_new_tokens) for name, d in drafters.items()}
+    measured, calibration = split_prompts(texts, args.num_prompts)
+    encode = lambda items: [tokenizer(t, return_tensors="pt").input_ids.to(args.device) for t in items]  # noqa: E731
+    prompts = encode(measured)
+    tuning = {} if args.no_tune else {name: tune(target, d, encode(calibration), args.max_new_tokens)
+                                      for name, d in drafters.items()}
     results = run_all(target, prompts, methods_for(drafters, assistant, args.prompt_lookup_tokens), args.max_new_tokens)
     meta = {
         "command": "hf-eagle31 bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "command"),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads, "
-        + (torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"),
+        "machine": machine(args.device),
         "torch": torch.__version__,
         "dtype": str(target.dtype),
         "prompts": len(prompts),
@@ -150,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     for shape, projection in meta.get("projections", {}).items():
         best = projection["best"]
         print(f"\nPROJECTION for {shape} on this device (costs extrapolated, acceptance of the demo EAGLE 3.1): "
-              f"step {projection['step_seconds'] * 1000:.1f} ms, best tree depth {best['tree_depth']} with "
-              f"{best['tree_total_tokens']} tokens, tau {best['tau']:.2f}, projected speedup {best['speedup']:.2f}x")
+              f"step {projection['step_seconds'] * 1000:.1f} ms, best draft top-k {best['tree_top_k']}, depth "
+              f"{best['tree_depth']}, {best['tree_total_tokens']} tokens, tau {best['tau']:.2f}, "
+              f"projected speedup {best['speedup']:.2f}x")
     print(f"\nwritten to {args.out}/ (results.json, results.md, speed.png, acceptance.png, verify_cost.png)")
     return 0

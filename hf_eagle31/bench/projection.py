@@ -5,8 +5,8 @@ run. On a small machine the full model may not fit or take too long, so the targ
 with a few decoder layers at full width and the per-layer cost is extrapolated linearly to the
 real depth (t(n) = fixed(n) + layers * per_layer(n), fitted on two depths). The drafter (one
 layer plus an LM head over its draft vocabulary) is measured whole. Speedups then combine these
-costs with the acceptance measured on the demo pair (`accepted_ranks`), choosing the best tree
-shape for the projected costs exactly as `hf_eagle31.tuning` does for a real pair.
+costs with the acceptance measured on the demo pair (the tuning's calibration ranks), choosing the
+best draft shape for the projected costs exactly as `hf_eagle31.tuning` does for a real pair.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.training import drafter_config_for
-from hf_eagle31.tuning import draft_cost, projected_tau, verify_cost_curve
+from hf_eagle31.tuning import draft_cost, rank_candidates, verify_cost_curve
 
 REAL_SHAPES = {
     "Llama-3.1-8B": LlamaConfig(
@@ -43,8 +43,9 @@ def _model(config: PretrainedConfig, layers: int, device, dtype):
 
 
 def measure_costs(
-    config: PretrainedConfig, sizes: list[int], depths: list[int], top_k: int = 10, draft_vocab_size: int = 32000,
-    context: int = 512, probe_layers: tuple[int, int] = (1, 3), device="cpu", dtype=torch.bfloat16,
+    config: PretrainedConfig, sizes: list[int], depths: list[int], top_ks: tuple[int, ...] = (1, 3, 10),
+    draft_vocab_size: int = 32000, context: int = 512, probe_layers: tuple[int, int] = (1, 3), device="cpu",
+    dtype=torch.bfloat16,
 ) -> dict:
     """Target verify costs t(n) at the real depth (extrapolated unless probe_layers covers it), drafter tree costs."""
     layer_ids = [1, 1, 1]  # any captured states: the cost is the same
@@ -63,21 +64,13 @@ def measure_costs(
     drafter = Eagle3DraftModel(drafter_config_for(target_for_drafter, "eagle3.1", min(draft_vocab_size, config.vocab_size)))
     drafter = drafter.to(device, dtype).eval()
     drafter.set_target_embedding(target_for_drafter.get_input_embeddings())
-    drafts = {d: draft_cost(drafter, d, top_k, context=context, repeats=3) for d in depths}
+    drafts = {k: {d: draft_cost(drafter, d, k, context=context, repeats=3) for d in depths} for k in top_ks}
     return {"verify_seconds": verify, "draft_seconds": drafts, "probe_layers": list(curves), "extrapolated_to": real}
 
 
-def project(costs: dict, accepted_ranks: list[list[int]]) -> dict:
-    """The best tree shape for these costs and this acceptance, and its projected speedup."""
+def project(costs: dict, ranks_by_top_k: dict[int, list[list[int]]]) -> dict:
+    """The best draft shape for these costs and this acceptance, and its projected speedup."""
     verify, drafts = costs["verify_seconds"], costs["draft_seconds"]
-    best = None
-    for depth, draft_seconds in drafts.items():
-        for total in verify:
-            nodes = total - 1
-            if nodes < depth:
-                continue
-            tau = projected_tau(accepted_ranks, nodes, depth)
-            speedup = tau * verify[1] / (verify[total] + draft_seconds)
-            if best is None or speedup > best["speedup"]:
-                best = {"tree_depth": depth, "tree_total_tokens": nodes, "tau": tau, "speedup": speedup}
-    return {"step_seconds": verify[1], "verify_cost_ratio": {n: t / verify[1] for n, t in verify.items()}, "best": best}
+    candidates = rank_candidates(verify, {k: drafts[k] for k in ranks_by_top_k if k in drafts}, ranks_by_top_k)
+    return {"step_seconds": verify[1], "verify_cost_ratio": {n: t / verify[1] for n, t in verify.items()},
+            "draft_seconds": drafts, "best": max(candidates, key=lambda c: c["speedup"])}

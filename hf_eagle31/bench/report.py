@@ -29,11 +29,14 @@ def tuning_table(tuning: dict[str, dict]) -> str:
     for name, report in tuning.items():
         ratios = report["verify_cost_ratio"]
         lines.append(f"**{name}**: verify cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
-        choice = report["choice"]
-        lines.append(
-            f"chosen tree: depth {choice['tree_depth']}, {choice['tree_total_tokens']} tokens "
-            f"(predicted tau {choice['tau']:.2f}, predicted speedup {choice['speedup']:.2f}x)"
-        )
+        for label in ("best_chain", "best_tree"):
+            shape = report.get(label)
+            if shape:
+                lines.append(
+                    f"{label.replace('_', ' ')}: top-k {shape['tree_top_k']}, depth {shape['tree_depth']}, "
+                    f"{shape['tree_total_tokens']} tokens (predicted tau {shape['tau']:.2f}, "
+                    f"predicted speedup {shape['speedup']:.2f}x)"
+                )
     return "\n\n".join(lines)
 
 

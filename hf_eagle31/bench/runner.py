@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.tuning import speculation_settings
 
 
 @dataclass
@@ -107,8 +108,13 @@ def run_method(
     progress: bool = True,
 ) -> tuple[MethodResult, list[torch.Tensor]]:
     """Greedy-decode every prompt with `method`; compare with `reference` outputs when given."""
-    for name, value in method.speculation.items():
-        setattr(method.drafter.generation_config, name, value)
+    if method.drafter is None:
+        return _run_method(target, prompts, method, max_new_tokens, reference, progress)
+    with speculation_settings(method.drafter, **method.speculation):
+        return _run_method(target, prompts, method, max_new_tokens, reference, progress)
+
+
+def _run_method(target, prompts, method, max_new_tokens, reference, progress):
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, **method.generate_kwargs)
     target.generate(prompts[0], **{**kwargs, "max_new_tokens": min(8, max_new_tokens)})  # warm-up
     outputs, seconds, reached, accepted = [], 0.0, [], []

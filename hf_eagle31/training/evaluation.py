@@ -33,8 +33,17 @@ class AcceptanceReport:
     expected_length: float
     reached: list[int]
 
+    @property
+    def greedy_length(self) -> float:
+        """Draft tokens a greedy chain of this depth gets accepted per step: sum_k prod_{j<=k} acceptance_j."""
+        total, alive = 0.0, 1.0
+        for rate in self.acceptance:
+            alive *= rate
+            total += alive
+        return total
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "greedy_length": self.greedy_length}
 
 
 def as_sequences(sequences) -> list[TrainingSequence]:

@@ -1,0 +1,66 @@
+"""One verify forward over a draft tree against the reference it stands for: one-token decoding of each path.
+
+"exact" must reproduce the decoding logits bit for bit (in fp32 and bf16, where batched kernels
+round differently from one-row ones); "batched" must agree up to rounding, which catches any mask
+or position mistake (those change logits by far more than rounding does).
+"""
+
+import copy
+
+import pytest
+import torch
+from tiny_models import PROMPTS, make_target
+from transformers import DynamicCache
+
+from hf_eagle31.drafting import DraftTree
+from hf_eagle31.generation import eagle_verification
+from hf_eagle31.verification import verify_block
+
+#      0
+#    1   2
+#  3  4    5
+#  6
+TREE = DraftTree(torch.tensor([7, 11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2, 3]),
+                 torch.tensor([0, 1, 1, 2, 2, 2, 3]))
+CHAIN = DraftTree(torch.tensor([7, 11, 13, 16, 9]), torch.tensor([-1, 0, 1, 2, 3]), torch.tensor([0, 1, 2, 3, 4]))
+
+
+def path(tree: DraftTree, node: int) -> list[int]:
+    nodes = []
+    while node >= 0:
+        nodes.append(node)
+        node = int(tree.parents[node])
+    return nodes[::-1]
+
+
+@torch.no_grad()
+def decoded_logits(target, prompt_cache: DynamicCache, tree: DraftTree, node: int) -> torch.Tensor:
+    """The logits plain decoding computes after the node's path, one token per forward."""
+    cache = copy.deepcopy(prompt_cache)
+    for step in path(tree, node):
+        logits = target(tree.tokens[step].view(1, 1), past_key_values=cache).logits
+    return logits[0, -1].float()
+
+
+@pytest.mark.parametrize("tree", [TREE, CHAIN], ids=["tree", "chain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_verify_logits_against_one_token_decoding(arch, dtype, tree):
+    target = make_target(arch, dtype=dtype)
+    prompt = PROMPTS[2:3]
+    with torch.no_grad():
+        prompt_cache = DynamicCache(config=target.config)
+        target(prompt, past_key_values=prompt_cache)
+    expected = torch.stack([decoded_logits(target, prompt_cache, tree, node) for node in range(len(tree))])
+    mask, positions = tree.ancestor_mask(), prompt.shape[1] + tree.depths
+    with eagle_verification(target):
+        got = {mode: verify_block(target, copy.deepcopy(prompt_cache), tree.tokens, positions, mask, [1, 2, 3], mode).logits
+               for mode in ("exact", "batched")}
+    assert torch.equal(got["exact"], expected)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.25
+    torch.testing.assert_close(got["batched"], expected, atol=tolerance, rtol=0.02)
+    wrong_mask = torch.ones_like(mask).tril()  # level order seen as a chain: every node sees its siblings
+    if not torch.equal(wrong_mask, mask):
+        with eagle_verification(target):
+            wrong = verify_block(target, copy.deepcopy(prompt_cache), tree.tokens, positions, wrong_mask, [1, 2, 3]).logits
+        assert (wrong - expected).abs().max() > 10 * tolerance
