@@ -30,9 +30,12 @@ parser.add_argument("--repeats", type=int, default=3, help="timed calls of each;
 args = parser.parse_args()
 
 tokenizer = AutoTokenizer.from_pretrained(args.target)
-target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()  # an Eagle3DraftModel
-inputs = tokenizer(args.prompt, return_tensors="pt")
+device = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on a GPU; float32 on a CPU, where batched bf16 matmuls are slow without bf16 matrix units
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, device_map=device).eval()
+drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).to(target.device).eval()  # an Eagle3DraftModel
+inputs = tokenizer(args.prompt, return_tensors="pt").to(target.device)
 
 
 def generate(**kwargs) -> tuple[float, torch.Tensor]:

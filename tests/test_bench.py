@@ -69,6 +69,30 @@ def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path):
     assert (tmp_path / "speed.png").stat().st_size > 0 and payload["methods"][0]["speedup"] == 1.0
 
 
+def test_headline_ratios_and_deep_acceptance_by_hand():
+    from hf_eagle31.bench.report import headline
+    from hf_eagle31.bench.runner import MethodResult
+
+    def result(name, tokens, seconds, forwards, reached=(), accepted=()):
+        return MethodResult(name, tokens, seconds, forwards, None, True, list(reached), list(accepted))
+
+    results = [
+        result("target alone", 102, 10.0, 102),
+        result("assisted (small LM)", 102, 8.0, 60),
+        result("prompt lookup", 102, 5.0, 70),
+        result("EAGLE-3 tree", 102, 4.0, 42, reached=[40, 30, 20, 10, 6, 2], accepted=[30, 20, 10, 6, 2, 0]),
+        result("EAGLE 3.1 tree", 102, 2.0, 22, reached=[20, 18, 16, 14, 12, 10], accepted=[18, 16, 14, 12, 10, 8]),
+    ]
+    assert results[4].acceptance_from(5) == pytest.approx((10 + 8) / (12 + 10))
+    assert results[4].acceptance_from(7) is None
+    lines = headline(results, prompts=2)
+    assert lines[:3] == ["EAGLE 3.1 tree vs target alone: 5.00x tokens/s",
+                         "EAGLE 3.1 tree vs assisted (small LM): 4.00x tokens/s",
+                         "EAGLE 3.1 tree vs prompt lookup: 2.50x tokens/s"]
+    # tau = (new tokens - prompts) / (forwards - prompts): 100 / 20 = 5.00 and 100 / 40 = 2.50
+    assert lines[3] == "EAGLE 3.1 vs EAGLE-3, tree: tau 5.00 vs 2.50 (2.00x), acceptance at depth >= 5: 0.82 vs 0.25"
+
+
 def test_drift_study_writes_its_table_and_plot(tmp_path):
     from types import SimpleNamespace
 

@@ -139,7 +139,7 @@ def projections(args, tuning: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_eagle31.bench.report import markdown_table, tuning_table, write_results
+    from hf_eagle31.bench.report import headline, markdown_table, tuning_table, write_results
     from hf_eagle31.bench.runner import run_all
 
     target, tokenizer, drafters, assistant = load_models(args)
@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         meta["projections"] = projections(args, tuning)
     write_results(Path(args.out), results, len(prompts), meta, tuning)
     print(markdown_table(results, len(prompts)))
+    print("\n" + "\n".join(headline(results, len(prompts))))
     if tuning:
         print("\n" + tuning_table(tuning))
     for shape, projection in meta.get("projections", {}).items():

@@ -24,6 +24,34 @@ def markdown_table(results: list[MethodResult], prompts: int) -> str:
     return "\n".join(rows)
 
 
+DEEP = 5  # "deep" drafts start here: where attention drift shows (SPEC section 8)
+
+
+def headline(results: list[MethodResult], prompts: int) -> list[str]:
+    """The comparisons the README quotes, every ratio from this one run: EAGLE 3.1's faster mode against
+    each baseline, and EAGLE 3.1 against EAGLE-3 in each mode (tau, and acceptance at depth >= DEEP)."""
+    by_name = {r.name: r for r in results}
+    lines = []
+    eagle31 = [by_name[name] for name in ("EAGLE 3.1 chain", "EAGLE 3.1 tree") if name in by_name]
+    if eagle31:
+        best = max(eagle31, key=lambda r: r.tokens_per_second)
+        for baseline in (results[0].name, "assisted (small LM)", "prompt lookup"):
+            if baseline in by_name:
+                ratio = best.tokens_per_second / by_name[baseline].tokens_per_second
+                lines.append(f"{best.name} vs {baseline}: {ratio:.2f}x tokens/s")
+    for mode in ("chain", "tree"):
+        old, new = by_name.get(f"EAGLE-3 {mode}"), by_name.get(f"EAGLE 3.1 {mode}")
+        if old is None or new is None:
+            continue
+        line = (f"EAGLE 3.1 vs EAGLE-3, {mode}: tau {new.tau(prompts):.2f} vs {old.tau(prompts):.2f} "
+                f"({new.tau(prompts) / old.tau(prompts):.2f}x)")
+        deep_new, deep_old = new.acceptance_from(DEEP), old.acceptance_from(DEEP)
+        if deep_new is not None and deep_old is not None:
+            line += f", acceptance at depth >= {DEEP}: {deep_new:.2f} vs {deep_old:.2f}"
+        lines.append(line)
+    return lines
+
+
 def tuning_table(tuning: dict[str, dict]) -> str:
     lines = []
     for name, report in tuning.items():
@@ -51,6 +79,8 @@ def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta
                 "speedup": r.speedup,
                 "tau": r.tau(prompts),
                 "acceptance_per_depth": r.acceptance_per_depth,
+                "reached_per_depth": r.reached,
+                "accepted_per_depth": r.accepted,
                 "new_tokens": r.new_tokens,
                 "seconds": r.seconds,
                 "target_forwards": r.target_forwards,
@@ -60,11 +90,12 @@ def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta
             }
             for r in results
         ],
+        "headline": headline(results, prompts),
         "tuning": tuning,
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str))
-    table = markdown_table(results, prompts)
-    (out_dir / "results.md").write_text(table + "\n\n" + tuning_table(tuning) + "\n")
+    summary = "".join(f"- {line}\n" for line in payload["headline"])
+    (out_dir / "results.md").write_text(f"{markdown_table(results, prompts)}\n\n{summary}\n{tuning_table(tuning)}\n")
     plot_results(out_dir, results, prompts, tuning)
     return payload
 

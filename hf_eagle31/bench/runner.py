@@ -44,13 +44,23 @@ class MethodResult:
     target_forwards: int
     peak_memory_bytes: int | None
     identical_to_target: bool | None
-    acceptance_per_depth: list[float] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)  # draft tokens whose path survived to their depth, per depth
+    accepted: list[int] = field(default_factory=list)  # of those, how many were accepted
     speculation: dict = field(default_factory=dict)
     speedup: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
+
+    def acceptance_from(self, depth: int) -> float | None:
+        """Acceptance pooled over every draft token at `depth` (1-based) or deeper; None if none got there."""
+        reached = sum(self.reached[depth - 1 :])
+        return sum(self.accepted[depth - 1 :]) / reached if reached else None
 
     def tau(self, prompts: int) -> float:
         return (self.new_tokens - prompts) / max(self.target_forwards - prompts, 1)
@@ -139,7 +149,8 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress):
         target_forwards=forwards[0],
         peak_memory_bytes=memory["bytes"],
         identical_to_target=identical,
-        acceptance_per_depth=[a / r if r else 0.0 for a, r in zip(accepted, reached)],
+        reached=reached,
+        accepted=accepted,
         speculation=dict(method.speculation),
     )
     return result, outputs

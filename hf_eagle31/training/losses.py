@@ -34,15 +34,18 @@ def distillation_losses(
 
     `target_draft_logits` `[B, L, V_d]` are the target's logits at the draft vocabulary's ids
     (draft order): softmax over them is the target's distribution restricted to the draft
-    vocabulary and renormalised.
+    vocabulary and renormalised. Only the predictions that count are computed: prompt and padding
+    positions are often half of a batch, and the `[B, T, V_d]` softmaxes dominate a CPU step.
     """
+    log_p_all = torch.log_softmax(target_draft_logits.float(), dim=-1)
     losses = []
     for step, logits in enumerate(step_logits):
         length = logits.shape[1]
-        log_p = torch.log_softmax(ahead(target_draft_logits, step + 1, length), dim=-1)
-        log_q = torch.log_softmax(logits.float(), dim=-1)
-        kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
-        losses.append(masked_mean(kl, step_mask(loss_mask, step, length)))
+        keep = step_mask(loss_mask, step, length).to(logits.device)
+        log_p = ahead(log_p_all, step + 1, length).to(logits.device)[keep]
+        log_q = torch.log_softmax(logits[keep].float(), dim=-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        losses.append(kl.sum() / max(kl.shape[0], 1))
     return torch.stack(losses)
 
 

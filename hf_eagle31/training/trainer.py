@@ -40,7 +40,7 @@ from hf_eagle31.training.data import (
     self_distill,
 )
 from hf_eagle31.training.feature_cache import build_feature_cache
-from hf_eagle31.training.losses import acceptance_loss, ahead, distillation_losses, masked_mean, step_mask
+from hf_eagle31.training.losses import acceptance_loss, ahead, distillation_losses, step_mask
 from hf_eagle31.training.teacher import draft_vocab_ids, target_logits, target_states
 from hf_eagle31.training.ttt import Unrolled
 from hf_eagle31.training.vocab import build_draft_vocab, token_counts
@@ -242,10 +242,12 @@ def training_step(model, drafter: Eagle3DraftModel, target: PreTrainedModel, bat
         kl = distillation_losses(steps, restricted, mask)
         loss = (kl * config.loss_decay ** torch.arange(len(steps), device=kl.device)).sum()
         row.update({f"kl_{k}": v for k, v in enumerate(kl.detach().tolist())})
+    target_tokens = restricted.argmax(-1)
     for k, logits in enumerate(steps):
         length = logits.shape[1]
-        match = (logits.argmax(-1) == ahead(restricted.argmax(-1), k + 1, length).to(logits.device)).float()
-        row[f"acc_{k}"] = float(masked_mean(match, step_mask(mask, k, length)))
+        keep = step_mask(mask, k, length).to(logits.device)
+        match = logits.detach()[keep].argmax(-1) == ahead(target_tokens, k + 1, length).to(logits.device)[keep]
+        row[f"acc_{k}"] = float(match.float().mean()) if match.numel() else 0.0
     return loss, row
 
 
