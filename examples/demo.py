@@ -36,9 +36,10 @@ def main() -> int:
     drafter = Eagle3DraftModel.from_pretrained(DEMO / "eagle31").to(target.dtype).eval()
     records = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()][:PROMPTS]
     settings = drafter.generation_config
+    shape = (f"chain of {settings.num_assistant_tokens} tokens" if settings.speculation_mode == "chain" else
+             f"tree of {settings.tree_total_tokens} tokens (top-k {settings.tree_top_k}, depth {settings.tree_depth})")
     print(f"target: {target.config.num_hidden_layers}-layer Llama, {target.num_parameters() / 1e6:.1f}M parameters, "
-          f"{target.dtype}; drafter: EAGLE 3.1, {settings.speculation_mode} mode (top-k {settings.tree_top_k}, "
-          f"depth {settings.tree_depth}, {settings.tree_total_tokens} tokens); {torch.get_num_threads()} CPU threads\n")
+          f"{target.dtype}; drafter: EAGLE 3.1, {shape}; {torch.get_num_threads()} CPU threads\n")
     timed_generate(target, tokenizer("def f(x):", return_tensors="pt").input_ids, assistant_model=drafter)  # warm-up
     totals = {"target": [0, 0.0], "eagle": [0, 0.0]}
     forwards = tokens = 0

@@ -4,7 +4,7 @@ Prompts come only from the held-out split, so the demo and benchmarks never prom
 with text they were trained on. Picks are evenly spaced over a sorted candidate list, so the
 file is the same on every rebuild of the same corpus.
 
-    python examples/demo_pair/build_prompts.py     # reads data/heldout.jsonl, writes heldout_prompts.jsonl
+    python examples/demo_pair/build_prompts.py     # reads data/heldout.jsonl, writes heldout_{prompts,documents}.jsonl
 """
 
 from __future__ import annotations
@@ -58,10 +58,22 @@ def spread(candidates: list[dict], count: int) -> list[dict]:
     return [candidates[i * len(candidates) // count] for i in range(count)]
 
 
+def documents(docs: list[dict], per_pool: int = 4, chars: int = 10_000) -> list[dict]:
+    """Whole held-out documents cut to `chars` (~2,600 tokens): the drift study's long contexts."""
+    picked = []
+    for pool in ("code", "text"):
+        long_enough = [d for d in docs if d["pool"] == pool and len(d["text"]) >= chars]
+        for d in spread(long_enough, per_pool):
+            text = d["text"][:chars]
+            picked.append({"text": text[: text.rfind("\n")], "pool": pool, "source": d["path"]})
+    return picked
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=HERE / "data")
     parser.add_argument("--out", type=Path, default=HERE / "heldout_prompts.jsonl")
+    parser.add_argument("--documents", type=Path, default=HERE / "heldout_documents.jsonl")
     parser.add_argument("--per-kind", type=int, default=10, help="prompts per kind: Python, man page, other docs")
     args = parser.parse_args()
     with (args.data / "heldout.jsonl").open() as lines:
@@ -73,6 +85,9 @@ def main() -> None:
     prompts = spread(code, 2 * args.per_kind) + spread(man, args.per_kind) + spread(other, args.per_kind)
     args.out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     print(f"{len(prompts)} prompts from {len(code)} functions, {len(man) + len(other)} paragraphs -> {args.out}")
+    long = documents(docs)
+    args.documents.write_text("".join(json.dumps(d) + "\n" for d in long))
+    print(f"{len(long)} documents -> {args.documents}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 DEMO = Path("examples/demo_pair")
-CALIBRATION_PROMPTS = 4
+CALIBRATION_PROMPTS = 10  # tuning is only as good as its acceptance sample
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--eagle31", default=str(DEMO / "eagle31"), help="EAGLE 3.1 drafter ('' to skip)")
     add("--assistant", default=str(DEMO / "small_lm"), help="small LM for transformers' assisted generation ('' to skip)")
     add("--prompts", default=str(DEMO / "heldout_prompts.jsonl"), help="JSONL with 'text' or 'turns' per line")
+    add("--documents", default=str(DEMO / "heldout_documents.jsonl"),
+        help="--drift: long texts (JSONL, 'text') to cut context-length prompts from ('' to use the prompts)")
     add("--num-prompts", type=int, default=20, help="prompts measured, spread over the file; "
         f"{CALIBRATION_PROMPTS} others calibrate the tuning")
     add("--max-new-tokens", type=int, default=128)
@@ -122,7 +124,8 @@ def methods_for(drafters, assistant, lookup_tokens):
     return methods
 
 
-def projections(args, tuning: dict) -> dict:
+def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
+    """Real-shape costs in the dtype the benchmark ran in (float32 on a CPU: bf16 matmuls are slow there)."""
     from hf_eagle31.bench.projection import REAL_SHAPES, measure_costs, project
 
     ranks = tuning.get("EAGLE 3.1", next(iter(tuning.values()), {})).get("calibration_ranks")
@@ -133,7 +136,7 @@ def projections(args, tuning: dict) -> dict:
         raise ValueError(f"unknown shapes {sorted(unknown)}; known: {sorted(REAL_SHAPES)}")
     sizes = [1, 2, 4, 8, 16, 24, 32, 48, 65]
     return {
-        shape: project(measure_costs(REAL_SHAPES[shape], sizes, list(range(1, 9)), device=args.device), ranks)
+        shape: project(measure_costs(REAL_SHAPES[shape], sizes, list(range(1, 9)), device=args.device, dtype=dtype), ranks)
         for shape in args.project
     }
 
@@ -147,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     if args.drift:
         from hf_eagle31.bench.drift import run_drift_study
 
-        return run_drift_study(target, tokenizer, drafters, texts, args)
+        documents = read_texts(args.documents) if args.documents else None
+        return run_drift_study(target, tokenizer, drafters, texts, args, documents)
     measured, calibration = split_prompts(texts, args.num_prompts)
     encode = lambda items: [tokenizer(t, return_tensors="pt").input_ids.to(args.device) for t in items]  # noqa: E731
     prompts = encode(measured)
@@ -164,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
     }
     if args.project:
-        meta["projections"] = projections(args, tuning)
+        meta["projections"] = projections(args, tuning, target.dtype)
     write_results(Path(args.out), results, len(prompts), meta, tuning)
     print(markdown_table(results, len(prompts)))
     print("\n" + "\n".join(headline(results, len(prompts))))
@@ -172,9 +176,11 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + tuning_table(tuning))
     for shape, projection in meta.get("projections", {}).items():
         best = projection["best"]
+        verdict = "" if best["speedup"] > 1 else " (no draft shape pays here: plain decoding is faster)"
         print(f"\nPROJECTION for {shape} on this device (costs extrapolated, acceptance of the demo EAGLE 3.1): "
-              f"step {projection['step_seconds'] * 1000:.1f} ms, best draft top-k {best['tree_top_k']}, depth "
-              f"{best['tree_depth']}, {best['tree_total_tokens']} tokens, tau {best['tau']:.2f}, "
-              f"projected speedup {best['speedup']:.2f}x")
+              f"step {projection['step_seconds'] * 1000:.1f} ms, t(n)/t(1) "
+              + ", ".join(f"{n}: {r:.2f}" for n, r in projection["verify_cost_ratio"].items())
+              + f"; best draft top-k {best['tree_top_k']}, depth {best['tree_depth']}, {best['tree_total_tokens']} "
+              f"tokens, tau {best['tau']:.2f}, projected speedup {best['speedup']:.2f}x{verdict}")
     print(f"\nwritten to {args.out}/ (results.json, results.md, speed.png, acceptance.png, verify_cost.png)")
     return 0

@@ -27,6 +27,7 @@ from hf_eagle31.training.ttt import unroll
 
 DEPTH = 10
 SINK_TOKENS = 4
+CONTINUATION = 64  # tokens generated after each context-length prompt
 UNSEEN_TEMPLATE = "### Request\n{prompt}\n### Response (continue exactly)\n"
 
 
@@ -41,10 +42,14 @@ def continuations(target, tokenizer, texts: list[str], new_tokens: int) -> list[
     return sequences
 
 
-def long_texts(tokenizer, texts: list[str], length: int, count: int = 4) -> list[str]:
-    """Up to `count` prompts of about `length` tokens, cut from the held-out texts joined end to end."""
+def long_texts(tokenizer, texts: list[str], length: int, count: int = 8) -> list[str]:
+    """`count` prompts of about `length` tokens, spread evenly over the texts joined end to end (none if too short)."""
     ids = tokenizer("\n".join(texts)).input_ids
-    return [tokenizer.decode(ids[i : i + length]) for i in range(0, len(ids) - length + 1, length)][:count]
+    room = len(ids) - length
+    if room < 0:
+        return []
+    starts = sorted({i * room // max(count - 1, 1) for i in range(count)})
+    return [tokenizer.decode(ids[start : start + length]) for start in starts]
 
 
 @contextmanager
@@ -87,12 +92,14 @@ def mechanism(drafter, target, sequences: list[TrainingSequence]) -> dict:
     return {"sink_attention": (sink / count).tolist(), "feedback_norm": (norms / count).tolist()}
 
 
-def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args) -> int:
+def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args, documents: list[str] | None = None) -> int:
+    """`texts` are prompts; context-length prompts are cut from `documents` (long held-out texts), or from `texts`."""
     plain = continuations(target, tokenizer, texts, args.max_new_tokens)
     templated = continuations(target, tokenizer, [UNSEEN_TEMPLATE.format(prompt=t) for t in texts], args.max_new_tokens)
-    max_context = target.config.max_position_embeddings - 64  # room for the 32-token continuation
+    max_context = target.config.max_position_embeddings - 2 * CONTINUATION  # room for the continuation
     lengths = [n for n in (32, 64, 128, 256, 512, 1024, 2048, 4096) if n < max_context] + [max_context]
-    by_length = {n: continuations(target, tokenizer, long_texts(tokenizer, texts, n), 32) for n in lengths}
+    by_length = {n: continuations(target, tokenizer, long_texts(tokenizer, documents or texts, n), CONTINUATION)
+                 for n in lengths}
     by_length = {n: seqs for n, seqs in by_length.items() if seqs}
     results = {}
     for name, drafter in drafters.items():
@@ -145,13 +152,15 @@ def plot_drift(out: Path, results: dict) -> None:
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     depths = range(1, DEPTH + 1)
-    for name, r in results.items():
-        axes[0].plot(depths, r["acceptance"]["acceptance"], marker="o", label=name)
-        axes[0].plot(depths, r["unseen_template"]["acceptance"], linestyle="--", label=f"{name}, unseen template")
+    for index, (name, r) in enumerate(results.items()):
+        style = {"color": f"C{index}", "marker": "o", "label": name}  # one colour per drafter in every panel
+        axes[0].plot(depths, r["acceptance"]["acceptance"], **style)
+        axes[0].plot(depths, r["unseen_template"]["acceptance"], **{**style, "linestyle": "--", "marker": "x",
+                                                                     "label": f"{name}, unseen template"})
         lengths = list(r["context_length"])
-        axes[1].plot(lengths, [r["context_length"][n]["greedy_length"] for n in lengths], marker="o", label=name)
-        axes[2].plot(depths, r["mechanism"]["sink_attention"], marker="o", label=name)
-        axes[3].plot(depths, r["mechanism"]["feedback_norm"], marker="o", label=name)
+        axes[1].plot([int(n) for n in lengths], [r["context_length"][n]["greedy_length"] for n in lengths], **style)
+        axes[2].plot(depths, r["mechanism"]["sink_attention"], **style)
+        axes[3].plot(depths, r["mechanism"]["feedback_norm"], **style)
     axes[0].set(xlabel="draft depth", ylabel="acceptance (given the path so far)", ylim=(0, 1.05))
     axes[1].set(xlabel="context length (tokens)", ylabel=f"accepted tokens per {DEPTH}-token chain", xscale="log")
     axes[2].set(xlabel="draft depth", ylabel=f"attention on first {SINK_TOKENS} tokens")
