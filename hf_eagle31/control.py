@@ -58,12 +58,14 @@ class CollapseMonitor:
     speculative step, an upper bound that favours speculation. After a losing window it runs
     `backoff` plain steps, doubling the backoff after each losing probe (up to `max_backoff`) and
     halving it after a winning one, so the number of wasted draft steps grows only logarithmically
-    with the output length.
+    with the output length. It warns once, after `warn_after` losing checks in a row: one losing
+    window is often just a hard stretch of text.
     """
 
     window: int = 4
     initial_backoff: int = 8
     max_backoff: int = 256
+    warn_after: int = 3  # losing checks in a row before one warning
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -71,6 +73,8 @@ class CollapseMonitor:
         self.plain_left = 0
         self.plain_time: float | None = None
         self.fallbacks = 0
+        self.losing_streak = 0
+        self.warned = False
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -101,16 +105,19 @@ class CollapseMonitor:
         speculative_rate = self.window_tokens / max(self.window_seconds, 1e-9)
         nothing_accepted = self.window_tokens <= self.window_steps  # one token per step: never pays
         if nothing_accepted or speculative_rate * plain_time < 1.0:
-            if self.fallbacks == 0:
+            self.losing_streak += 1
+            if self.losing_streak == self.warn_after and not self.warned:  # a hard stretch of text is no news
+                self.warned = True
                 logger.warning(
-                    "EAGLE speculation is slower than plain decoding here (%.2f tokens per plain-step time); "
-                    "falling back to plain decoding and probing again later. A drafter trained for a "
+                    "EAGLE speculation was slower than plain decoding %d checks in a row (%.2f tokens per "
+                    "plain-step time); decoding plainly and probing again later. A drafter trained for a "
                     "different target is the usual cause.",
-                    speculative_rate * plain_time,
+                    self.losing_streak, speculative_rate * plain_time,
                 )
             self.fallbacks += 1
             self.plain_left = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
         else:  # one good window may be a fluke: relax the backoff gradually
+            self.losing_streak = 0
             self.backoff = max(self.initial_backoff, self.backoff // 2)
         self._reset_window()

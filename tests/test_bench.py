@@ -105,8 +105,11 @@ def test_drift_study_writes_its_table_and_plot(tmp_path):
     tokenizer = make_tokenizer()
     texts = [tokenizer.decode(PROMPTS[i]) for i in range(3)] * 8
     args = SimpleNamespace(max_new_tokens=12, out=str(tmp_path))
-    assert run_drift_study(target, tokenizer, {"EAGLE-3": eagle3, "EAGLE 3.1": eagle31}, texts, args) == 0
-    results = json.loads((tmp_path / "drift.json").read_text())
+    meta = {"command": "hf-eagle31 bench --drift"}
+    assert run_drift_study(target, tokenizer, {"EAGLE-3": eagle3, "EAGLE 3.1": eagle31}, texts, args, meta=meta) == 0
+    written = json.loads((tmp_path / "drift.json").read_text())
+    assert written["command"] == meta["command"]
+    results = written["drafters"]
     for name in ("EAGLE-3", "EAGLE 3.1"):
         assert len(results[name]["acceptance"]["acceptance"]) == DEPTH
         assert len(results[name]["mechanism"]["sink_attention"]) == DEPTH

@@ -1,5 +1,7 @@
 """Drafting, verification building blocks and runtime control, each against a plain reference."""
 
+import logging
+
 import pytest
 import torch
 from tiny_models import PROMPTS, make_drafter, make_target, trained_pair
@@ -184,3 +186,20 @@ def test_tree_mode_uses_the_draft_vocabulary_map():
     target, drafter = trained_pair("llama", True)
     assert torch.equal(drafter.d2t, torch.zeros_like(drafter.d2t))  # identity map: trivially consistent
     assert drafter.draft_to_target(torch.tensor([5])).item() == 5
+
+
+def test_collapse_monitor_warns_once_and_only_when_losing_persists(caplog):
+    def window(monitor, emitted):  # one judged window; plain steps cost 1.0 s, a speculative one 2.0 s
+        for _ in range(2):
+            monitor.record_speculative(emitted=emitted, seconds=2.0, verify_seconds=1.0)
+        while not monitor.should_speculate():
+            monitor.record_plain(1.0)
+
+    monitor = CollapseMonitor(window=2, initial_backoff=1)
+    with caplog.at_level(logging.WARNING, logger="hf_eagle31"):
+        for emitted in (1, 1, 4, 1, 1):  # two losses, a win, two losses: a hard stretch, not a bad drafter
+            window(monitor, emitted)
+        assert monitor.fallbacks == 4 and not caplog.records
+        for emitted in (1,) * 5:  # the third loss in a row warns; later ones do not
+            window(monitor, emitted)
+    assert sum("slower than plain decoding 3 checks in a row" in r.message for r in caplog.records) == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,8 +32,9 @@ from hf_eagle31.training.data import encode_prompt, load_sequences, save_sequenc
 from hf_eagle31.training.trainer import DISTILLED
 from hf_eagle31.tuning import tune_drafter
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path("examples/demo_pair")  # relative to REPO, where main() runs: shipped files name no machine's paths
+sys.path.insert(0, str(REPO / HERE))
 from build_prompts import function_openings, paragraph_openings  # noqa: E402
 
 BUDGET = dict(draft_vocab_size=4096, ttt_steps=6, steps=800, batch_size=16, lr=1e-3, max_length=320, save_every=100,
@@ -93,6 +95,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=BUDGET["steps"])
     parser.add_argument("--stage", choices=["all", "train", "tune"], default="all")
     args = parser.parse_args()
+    os.chdir(REPO)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = AutoModelForCausalLM.from_pretrained(HERE / "target", dtype=torch.float32, device_map=device).eval()  # fp32, as the demo runs it

@@ -10,6 +10,7 @@ import argparse
 import datetime
 import json
 import platform
+import shlex
 from pathlib import Path
 
 import torch
@@ -141,32 +142,46 @@ def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
     }
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The run's every setting as a command that repeats it (flags only when set)."""
+    words = ["hf-eagle31", "bench"]
+    for key, value in vars(args).items():
+        flag = "--" + key.replace("_", "-")
+        if key == "command" or value is None or value is False:
+            continue
+        if value is True:
+            words.append(flag)
+        else:
+            words += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(words)
+
+
 def run(args: argparse.Namespace) -> int:
     from hf_eagle31.bench.report import headline, markdown_table, tuning_table, write_results
     from hf_eagle31.bench.runner import run_all
 
     target, tokenizer, drafters, assistant = load_models(args)
     texts = read_texts(args.prompts)
-    if args.drift:
-        from hf_eagle31.bench.drift import run_drift_study
-
-        documents = read_texts(args.documents) if args.documents else None
-        return run_drift_study(target, tokenizer, drafters, texts, args, documents)
-    measured, calibration = split_prompts(texts, args.num_prompts)
-    encode = lambda items: [tokenizer(t, return_tensors="pt").input_ids.to(args.device) for t in items]  # noqa: E731
-    prompts = encode(measured)
-    tuning = {} if args.no_tune else {name: tune(target, d, encode(calibration), args.max_new_tokens)
-                                      for name, d in drafters.items()}
-    results = run_all(target, prompts, methods_for(drafters, assistant, args.prompt_lookup_tokens), args.max_new_tokens)
     meta = {
-        "command": "hf-eagle31 bench " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "command"),
+        "command": command_line(args),
         "date": datetime.date.today().isoformat(),
         "machine": machine(args.device),
         "torch": torch.__version__,
         "dtype": str(target.dtype),
-        "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
     }
+    if args.drift:
+        from hf_eagle31.bench.drift import run_drift_study
+
+        documents = read_texts(args.documents) if args.documents else None
+        return run_drift_study(target, tokenizer, drafters, texts, args, documents, meta)
+    measured, calibration = split_prompts(texts, args.num_prompts)
+    encode = lambda items: [tokenizer(t, return_tensors="pt").input_ids.to(args.device) for t in items]  # noqa: E731
+    prompts = encode(measured)
+    meta["prompts"] = len(prompts)
+    tuning = {} if args.no_tune else {name: tune(target, d, encode(calibration), args.max_new_tokens)
+                                      for name, d in drafters.items()}
+    results = run_all(target, prompts, methods_for(drafters, assistant, args.prompt_lookup_tokens), args.max_new_tokens)
     if args.project:
         meta["projections"] = projections(args, tuning, target.dtype)
     write_results(Path(args.out), results, len(prompts), meta, tuning)

@@ -44,7 +44,7 @@ def continuations(target, tokenizer, texts: list[str], new_tokens: int) -> list[
 
 def long_texts(tokenizer, texts: list[str], length: int, count: int = 8) -> list[str]:
     """`count` prompts of about `length` tokens, spread evenly over the texts joined end to end (none if too short)."""
-    ids = tokenizer("\n".join(texts)).input_ids
+    ids = tokenizer("\n".join(texts), verbose=False).input_ids  # one long text, cut into windows below
     room = len(ids) - length
     if room < 0:
         return []
@@ -92,8 +92,12 @@ def mechanism(drafter, target, sequences: list[TrainingSequence]) -> dict:
     return {"sink_attention": (sink / count).tolist(), "feedback_norm": (norms / count).tolist()}
 
 
-def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args, documents: list[str] | None = None) -> int:
-    """`texts` are prompts; context-length prompts are cut from `documents` (long held-out texts), or from `texts`."""
+def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args, documents: list[str] | None = None,
+                    meta: dict | None = None) -> int:
+    """`texts` are prompts; context-length prompts are cut from `documents` (long held-out texts), or from `texts`.
+
+    drift.json holds `meta` (command, date, machine) beside the per-drafter results under "drafters".
+    """
     plain = continuations(target, tokenizer, texts, args.max_new_tokens)
     templated = continuations(target, tokenizer, [UNSEEN_TEMPLATE.format(prompt=t) for t in texts], args.max_new_tokens)
     max_context = target.config.max_position_embeddings - 2 * CONTINUATION  # room for the continuation
@@ -112,7 +116,7 @@ def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args, d
         }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "drift.json").write_text(json.dumps(results, indent=2))
+    (out / "drift.json").write_text(json.dumps({**(meta or {}), "drafters": results}, indent=2))
     table = drift_table(results)
     (out / "drift.md").write_text(table + "\n")
     plot_drift(out, results)
