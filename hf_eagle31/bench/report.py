@@ -143,11 +143,11 @@ def plot_verify_cost(out_dir: Path, tuning: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     first = next(iter(tuning.values()))["verify_cost_ratio"]  # one target: the drafters measure the same curve
     ax.plot([int(n) for n in first], list(first.values()), marker="o", color="tab:gray", label="measured")
-    for name, report in tuning.items():  # the chosen shape verifies its tokens plus the root
+    for index, (name, report) in enumerate(tuning.items()):  # the chosen shape verifies its tokens plus the root
         choice = report["choice"]
         drafts = choice["tree_total_tokens"]
         kind = "chain" if choice["tree_top_k"] == 1 else f"tree (top-k {choice['tree_top_k']})"
-        ax.axvline(drafts + 1, linestyle="--", color="tab:orange" if "3.1" in name else "tab:blue",
+        ax.axvline(drafts + 1, linestyle="--", color=f"C{index}",  # one colour per drafter, as in the drift plot
                    label=f"{name}: {kind} of {drafts} drafts, predicted {choice['speedup']:.2f}x")
     ax.set_xlabel("tokens verified in one forward (n)")
     ax.set_ylabel("t(n) / t(1)")
