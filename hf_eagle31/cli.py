@@ -8,6 +8,7 @@ import sys
 
 # subcommand -> module exposing `configure_parser(parser)` and `run(args) -> int | None`
 SUBCOMMANDS: dict[str, str] = {
+    "distill": "hf_eagle31.training.distill",
     "train": "hf_eagle31.training.command",
     "card": "hf_eagle31.model_cards.card",
     "bench": "hf_eagle31.bench.command",

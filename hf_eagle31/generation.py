@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
@@ -32,12 +32,32 @@ from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
-from hf_eagle31.verification import ATTENTION_NAME, VERIFY_MODES, VerifyPlan, exact_mode_hooks, verify_tree
+from hf_eagle31.verification import (
+    ATTENTION_NAME,
+    VERIFY_MODES,
+    VerifyPlan,
+    exact_mode_hooks,
+    leave_exact_mode,
+    verify_tree,
+)
+
+
+POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k": 64, "tree_total_tokens": 1024,
+                     "max_speculation_depth": 64, "verify_chunk_depth": 64}  # name -> largest value accepted
 
 
 def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
+    """A speculation setting from the drafter's generation config (the default when unset), checked when read:
+    a misspelt mode or an impossible size is named here, not met as a wrong mode or a torch error later."""
     value = getattr(getattr(drafter, "generation_config", None), name, None)
-    return SPECULATION_DEFAULTS[name] if value is None else value
+    if value is None:
+        return SPECULATION_DEFAULTS[name]
+    if name == "speculation_mode" and value not in ("chain", "tree"):
+        raise ValueError(f"speculation_mode must be 'chain' or 'tree', got {value!r}")
+    if name in POSITIVE_SETTINGS and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= POSITIVE_SETTINGS[name]):
+        raise ValueError(f"{name} must be an integer from 1 to {POSITIVE_SETTINGS[name]}, got {value!r}")
+    return value
 
 
 def verify_mode(drafter: Eagle3DraftModel) -> str:
@@ -148,10 +168,10 @@ class EagleCandidateGenerator(CandidateGenerator):
         logits = self.drafter.expand_to_target_vocab(draft_logits.float() / self.temperature) if self.do_sample else None
         tokens, logits = self._cut_before_stop(input_ids, tokens, logits)
         self.proposed = tokens.shape[1]
-        if self.proposed:
-            plan = VerifyPlan.causal(self.proposed + 1, input_ids.device, self.mode)
-            self.model_kwargs_overrides["eagle_verify_plan"] = plan
         self.draft_seconds = time.perf_counter() - self.step_started
+        if not self.proposed:  # the first draft token would stop: a plain step (no empty `[1, 0, V]` logits)
+            return input_ids, None
+        self.model_kwargs_overrides["eagle_verify_plan"] = VerifyPlan.causal(self.proposed + 1, input_ids.device, self.mode)
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), logits
 
     def _cut_before_stop(self, input_ids, tokens, logits):
@@ -225,17 +245,28 @@ def eagle_verification(target: PreTrainedModel):
     finally:
         for hook in hooks:
             hook.remove()
+        leave_exact_mode(target)  # torch runs the leaving hook on Exception only: Ctrl-C must not leave it on
         target.set_attn_implementation(previous)
 
 
-def _check_tree_inputs(generation_config, model_kwargs) -> None:
+def check_inputs(generation_config, model_kwargs) -> None:
+    """Refuse, by name and before any work, what EAGLE decoding cannot do exactly."""
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
-        raise ValueError("EAGLE tree decoding does not support padded inputs (the attention mask has zeros).")
+        raise ValueError("EAGLE decoding does not support padded inputs (the attention mask has zeros): pass the "
+                         "prompt without padding (batch size 1)")
     if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError(
-            "EAGLE tree decoding cannot return attentions or hidden states; set speculation_mode='chain' for that."
-        )
+        raise ValueError("EAGLE decoding cannot return attentions or hidden states (output_attentions / "
+                         "output_hidden_states); generate without the drafter for those")
+    if generation_config.use_cache is False:
+        raise ValueError("EAGLE decoding needs the KV cache: use_cache=False is not supported")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("EAGLE decoding needs token ids (the drafter embeds them): pass input_ids, not inputs_embeds")
+    cache = model_kwargs.get("past_key_values")
+    if generation_config.cache_implementation not in (None, "dynamic") or (
+            cache is not None and not isinstance(cache, DynamicCache)):
+        raise ValueError("EAGLE decoding rolls rejected drafts back in a DynamicCache; got cache_implementation="
+                         f"{generation_config.cache_implementation!r} / {type(cache).__name__}")
 
 
 @torch.no_grad()
@@ -253,7 +284,6 @@ def eagle_tree_decoding(
 
     Runs inside `eagle_verification(model)` (the `generate` routing takes care of it).
     """
-    _check_tree_inputs(generation_config, model_kwargs)
     prepare_drafter(model, drafter)
     layer_ids = drafter.config.target_layer_ids
     cache = model_kwargs["past_key_values"]
@@ -369,6 +399,7 @@ def install() -> None:
                 f"EAGLE decoding supports batch size 1 (got {input_ids.shape[0]} sequences): "
                 "call generate once per prompt."
             )
+        check_inputs(kwargs["generation_config"], kwargs)
         with eagle_verification(self):
             if speculation_setting(drafter, "speculation_mode") == "chain":
                 return assisted(self, input_ids, *args, **kwargs)

@@ -233,6 +233,7 @@ class Eagle3DraftModel(PreTrainedModel):
         past_key_values: Cache | None = None,
         tail_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        logits_at: torch.Tensor | None = None,
     ) -> Eagle3DraftOutput:
         """One draft step for a block of positions.
 
@@ -246,6 +247,8 @@ class Eagle3DraftModel(PreTrainedModel):
                 `None` is causal.
             logits_to_keep: compute logits for the last this many positions only (0: all). Catching
                 up on a long prompt needs just the last: `n x V_d` logits would be the largest tensor.
+            logits_at: `[batch, n]` bool: logits only there, flattened to `[count, V_d]` (training needs them
+                only where its loss counts, and the head over a 16k+ vocabulary is most of a step's cost).
         """
         width = hidden_states.shape[-1]
         if width == 3 * self.config.target_hidden_size:
@@ -270,7 +273,7 @@ class Eagle3DraftModel(PreTrainedModel):
         hidden = self.midlayer(embeds, hidden_states, position_embeddings, past_key_values, tail_mask)
         normed = self.norm(hidden)
         return Eagle3DraftOutput(
-            logits=self.lm_head(normed[:, -logits_to_keep:]),
+            logits=self.lm_head(normed[logits_at] if logits_at is not None else normed[:, -logits_to_keep:]),
             hidden_states=normed if self.config.norm_output else hidden,
             past_key_values=past_key_values,
         )

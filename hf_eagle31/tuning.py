@@ -142,8 +142,9 @@ def calibrate(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[
     with speculation_settings(drafter, speculation_mode="tree", dynamic_speculation=False, collapse_fallback=False,
                               tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total_tokens):
         for prompt in prompts:
-            target.generate(prompt.to(target.device), do_sample=False, max_new_tokens=max_new_tokens,
-                            assistant_model=drafter)
+            prompt = prompt.to(target.device)  # unpadded: a pad id inside the text is not padding
+            target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                            max_new_tokens=max_new_tokens, assistant_model=drafter)
             ranks += drafter.speculation_stats.accepted_ranks
     return ranks
 

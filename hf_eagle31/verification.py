@@ -140,7 +140,8 @@ def _enter_exact_mode(module, args, kwargs):
         module._eagle_row_by_row.__enter__()
 
 
-def _leave_exact_mode(module, args, kwargs, output):
+def leave_exact_mode(module, *unused) -> None:
+    """Undo `_enter_exact_mode` (a forward hook, and the `finally` of every EAGLE `generate`)."""
     mode = module.__dict__.pop("_eagle_row_by_row", None)
     if mode is not None:
         mode.__exit__(None, None, None)
@@ -150,7 +151,7 @@ def exact_mode_hooks(target: PreTrainedModel) -> list:
     """Hooks that run "exact" verify forwards under `RowByRowLinear` (they see the plan in the forward's kwargs)."""
     return [
         target.register_forward_pre_hook(_enter_exact_mode, with_kwargs=True),
-        target.register_forward_hook(_leave_exact_mode, with_kwargs=True, always_call=True),
+        target.register_forward_hook(leave_exact_mode, with_kwargs=True, always_call=True),
     ]
 
 

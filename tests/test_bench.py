@@ -156,3 +156,38 @@ def test_projection_to_a_real_shape_measures_and_extrapolates():
     assert all(t > 0 for t in costs["verify_seconds"].values()) and set(costs["draft_seconds"]) == {1, 3}
     result = project(costs, {1: [[0, 1], [0]], 3: [[0, 1], [2]]})
     assert result["verify_cost_ratio"][1] == 1.0 and result["best"]["speedup"] > 0
+
+
+def test_datasets_combine_and_the_bound_by_hand():
+    from hf_eagle31.bench.report import bound
+    from hf_eagle31.bench.runner import MethodResult, combine
+
+    shape = {"speculation_mode": "chain", "num_assistant_tokens": 3, "tree_top_k": 10, "tree_depth": 6,
+             "tree_total_tokens": 60}
+    a = [MethodResult("target alone", 22, 2.0, 22, 10, True), MethodResult("EAGLE 3.1 chain", 22, 1.0, 9, 30, True,
+                                                                            [8, 6], [6, 3], shape)]
+    b = [MethodResult("target alone", 42, 4.0, 42, 20, True), MethodResult("EAGLE 3.1 chain", 42, 1.0, 12, 5, False,
+                                                                            [10], [9], shape)]
+    overall = combine([a, b])
+    assert [r.new_tokens for r in overall] == [64, 64] and overall[1].target_forwards == 21
+    assert overall[1].reached == [18, 6] and overall[1].accepted == [15, 3]
+    assert overall[1].peak_memory_bytes == 30 and overall[1].identical_to_target is False
+    assert overall[1].speedup == pytest.approx((64 / 2.0) / (64 / 6.0))
+    # tau over 2 prompts: (64 - 2) / (21 - 2); the matching candidate costs t1 / (t_verify + t_draft) = 0.5
+    tuning = {"EAGLE 3.1": {"candidates": [{"tree_top_k": 1, "tree_depth": 3, "tree_total_tokens": 3, "tau": 2.0,
+                                            "speedup": 1.0}]}}
+    assert bound(overall[1], tuning, 2) == pytest.approx(62 / 19 * 0.5)
+    assert bound(overall[0], tuning, 2) is None
+
+
+def test_bench_command_on_the_demo_pair(tmp_path, capsys):
+    from hf_eagle31.cli import main as cli_main
+
+    out = tmp_path / "bench"
+    assert cli_main(["bench", "--pair", "demo", "--num-prompts", "1", "--max-new-tokens", "6", "--no-tune",
+                     "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in results["methods"]][:3] == ["target alone", "assisted (small LM)", "prompt lookup"]
+    assert all(m["identical_to_target"] for m in results["methods"][1:])
+    assert cli_main(["bench", "--pair", "demo", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
+    assert "none.jsonl does not exist" in capsys.readouterr().err

@@ -152,6 +152,71 @@ def test_batch_larger_than_one_is_refused_clearly(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kwargs, message", [
+    ({"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}, "padded inputs"),
+    ({"output_hidden_states": True, "return_dict_in_generate": True}, "hidden states"),
+    ({"output_attentions": True, "return_dict_in_generate": True}, "attentions"),
+    ({"use_cache": False}, "use_cache=False"),
+    ({"cache_implementation": "static"}, "DynamicCache"),
+])
+def test_what_eagle_cannot_do_is_refused_by_name(mode, kwargs, message):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    with pytest.raises(ValueError, match=message):
+        target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=5, assistant_model=drafter, **kwargs)
+    assert target.config._attn_implementation != "eagle_tree"
+
+
+@pytest.mark.parametrize("setting, value", [("speculation_mode", "CHAIN"), ("speculation_mode", "banana"),
+                                            ("tree_top_k", 0), ("tree_top_k", 10**6), ("tree_depth", -1),
+                                            ("num_assistant_tokens", 2.5), ("tree_total_tokens", 0)])
+def test_bad_speculation_settings_are_named(setting, value):
+    target, drafter = trained_pair("llama", True, **{"speculation_mode": "chain" if setting == "num_assistant_tokens" else "tree",
+                                                     setting: value})
+    with pytest.raises(ValueError, match=setting):
+        target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=5, assistant_model=drafter)
+
+
+def test_interrupting_an_exact_verify_forward_leaves_nothing_switched_on():
+    from hf_eagle31.verification import RowByRowLinear
+
+    target, drafter = trained_pair("llama", True, speculation_mode="tree", verify_mode="exact")
+    calls = []
+
+    def interrupt(*args):
+        calls.append(1)
+        if len(calls) == 3:  # inside the first verify forward, after the row-by-row mode went on
+            raise KeyboardInterrupt
+
+    handle = target.model.layers[0].register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=20, assistant_model=drafter)
+    finally:
+        handle.remove()
+    assert "_eagle_row_by_row" not in target.__dict__
+    assert not any(isinstance(mode, RowByRowLinear) for mode in torch.overrides._get_current_function_mode_stack())
+    assert torch.equal(target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=20, assistant_model=drafter),
+                       plain(target, PROMPTS[:1], max_new_tokens=20))
+
+
+def test_sampling_when_the_first_draft_token_is_eos():
+    """The draft is cut to nothing before an eos: a plain step, not an empty proposal transformers cannot slice."""
+    target, drafter = trained_pair("llama", True, speculation_mode="chain", collapse_fallback=False)
+    first = int(drafter.draft_to_target(torch.tensor(0)))  # make every draft's first token the eos
+    with torch.no_grad():
+        drafter.lm_head.weight[0] += 1000.0
+    try:
+        for seed in range(3):
+            torch.manual_seed(seed)
+            target.generate(PROMPTS[:1], do_sample=True, max_new_tokens=10, assistant_model=drafter,
+                            eos_token_id=first, pad_token_id=0)
+        assert drafter.speculation_stats.plain_steps > 0
+    finally:
+        with torch.no_grad():
+            drafter.lm_head.weight[0] -= 1000.0
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_dynamic_speculation_never_changes_the_output(mode):
     outputs = []
     for dynamic in (False, True):

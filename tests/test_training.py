@@ -16,11 +16,11 @@ from hf_eagle31.drafting import DrafterState, draft_chain
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.training import evaluate_acceptance, train_drafter
 from hf_eagle31.training.data import TrainingSequence, fit_length, self_distill
-from hf_eagle31.training.losses import acceptance_loss, distillation_losses
+from hf_eagle31.training.losses import acceptance_loss, distillation_losses, step_mask
 from hf_eagle31.training.ttt import ttt_tail_mask, unroll
 from hf_eagle31.training.vocab import build_draft_vocab, token_counts
 
-FAST = dict(lr=1e-2, batch_size=8, save_every=1000)
+FAST = dict(lr=1e-2, batch_size=8, save_every=1000, tune_prompts=0)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,11 @@ def test_step0_loss_is_the_teacher_forced_distillation_loss(target, distilled):
     keep = torch.tensor([s.loss_mask for s in sequences])[:, 2:].bool()
     cross_entropy = -(p * log_q).sum(-1)[keep].mean()
     entropy = -(p * p.log()).sum(-1)[keep].mean()
-    loss = distillation_losses((logits,), out.logits, torch.tensor([s.loss_mask for s in sequences]))
+    mask = torch.tensor([s.loss_mask for s in sequences])
+    with torch.no_grad():
+        counted = unroll(drafter, features, ids, 1, mask)[0].logits  # the head only where the loss counts
+    torch.testing.assert_close(counted, logits[step_mask(mask, 0, ids.shape[1] - 1)])
+    loss = distillation_losses((counted,), out.logits, mask)
     torch.testing.assert_close(loss[0], cross_entropy - entropy, rtol=1e-4, atol=1e-5)
 
 
@@ -124,7 +128,8 @@ def test_distillation_losses_against_loops():
     steps = tuple(torch.randn(batch, length - 1, vocab) for _ in range(3))
     target_logits = torch.randn(batch, length, vocab)
     mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
-    losses = distillation_losses(steps, target_logits, mask)
+    counted = tuple(logits[step_mask(mask, k, length - 1)] for k, logits in enumerate(steps))
+    losses = distillation_losses(counted, target_logits, mask)
     for k in range(3):
         terms = []
         for b in range(batch):
@@ -251,7 +256,7 @@ def test_feature_cache_trains_like_online_features(target, distilled, tmp_path):
 def test_resume_after_interruption_continues_from_saved_step(target, distilled, tmp_path, monkeypatch):
     """An interrupted run resumed from its checkpoint ends with exactly the weights of an uninterrupted one."""
     data = records(distilled[0][:12])
-    settings = dict(steps=4, lr=3e-3, batch_size=4, grad_accum=2, save_every=2, ttt_steps=2)
+    settings = dict(steps=4, lr=3e-3, batch_size=4, grad_accum=2, save_every=2, ttt_steps=2, tune_prompts=0)
     reference = train_drafter(target, data, tmp_path / "straight", **settings)
 
     import hf_eagle31.training.trainer as trainer
@@ -300,21 +305,20 @@ def test_empty_data_is_refused(target, tmp_path):
         train_drafter(target, [], tmp_path / "out", tokenizer=make_tokenizer(), steps=1)
 
 
-def test_prompt_longer_than_context_is_refused_before_generation(tmp_path, monkeypatch):
-    import hf_eagle31.training.trainer as trainer
-
-    monkeypatch.setattr(trainer, "self_distill", lambda *a, **k: pytest.fail("generated before checking"))
+def test_prompts_longer_than_context_are_left_out_with_a_warning(tmp_path):
     short = make_target()
-    short.config.max_position_embeddings = 16
-    data = [{"question_id": 7, "turns": ["abc"]}, {"question_id": 8, "turns": ["a" * 40]}]
-    with pytest.raises(ValueError, match="prompt 8 .* context of 16"):
-        train_drafter(short, data, tmp_path, tokenizer=make_tokenizer(), steps=1)
+    short.config.max_position_embeddings = 40
+    data = [{"question_id": 7, "turns": ["abc"]}, {"question_id": 8, "turns": ["a" * 60]}]
+    with pytest.warns(UserWarning, match="1 of 2 conversations were left out"):
+        train_drafter(short, data, tmp_path, tokenizer=make_tokenizer(), steps=1, tune_prompts=0)
+    with pytest.raises(ValueError, match="empty"):
+        train_drafter(short, data[1:], tmp_path / "none", tokenizer=make_tokenizer(), steps=1, tune_prompts=0)
 
 
 def test_unreadable_checkpoint_is_refused_before_generation(target, tmp_path, monkeypatch):
     import hf_eagle31.training.trainer as trainer
 
-    monkeypatch.setattr(trainer, "self_distill", lambda *a, **k: pytest.fail("generated before checking"))
+    monkeypatch.setattr(trainer, "distill_to_folder", lambda *a, **k: pytest.fail("generated before checking"))
     folder = tmp_path / "checkpoints" / "step_00000004"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
@@ -341,15 +345,19 @@ def test_train_command_end_to_end(tmp_path, capsys):
     target.save_pretrained(tmp_path / "target")
     make_tokenizer().save_pretrained(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"question_id": i, "category": "x", "turns": [w, "again"]}) + "\n"
-                               for i, w in enumerate(["hello", "world", "drafts", "tokens"])))
+    sharegpt = [{"id": str(i), "conversations": [{"from": "human", "value": w}, {"from": "gpt", "value": "x"},
+                                                 {"from": "human", "value": "again"}]}
+                for i, w in enumerate(["hello", "world", "drafts", "tokens", "target", "answer"])]
+    prompts.write_text(json.dumps(sharegpt))
     out = tmp_path / "drafter"
     argv = ["train", "--target", str(tmp_path / "target"), "--data", str(prompts), "--out", str(out), "--arch", "eagle3",
-            "--steps", "3", "--batch-size", "4", "--answer-max-new-tokens", "8", "--draft-vocab-size", "64", "--lr", "1e-3"]
+            "--steps", "3", "--batch-size", "4", "--answer-max-new-tokens", "8", "--draft-vocab-size", "8", "--lr", "1e-3",
+            "--tune-prompts", "2"]
     assert cli_main(argv) == 0
     drafter = Eagle3DraftModel.from_pretrained(out)
-    assert drafter.config.draft_vocab_size == 64 and not drafter.config.fc_norm
-    assert {"README.md", "train_log.csv", "distilled.jsonl", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert drafter.config.draft_vocab_size == 8 and not drafter.config.fc_norm
+    assert {"README.md", "train_log.csv", "distilled", "tuning.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "training_args.json").read_text())["sequences"] == 4  # 6 conversations, 2 held out
     assert cli_main(["train", "--target", str(tmp_path / "missing"), "--data", str(prompts), "--out", str(out),
                      "--steps", "1"]) == 2
     assert "cannot load the target model" in capsys.readouterr().err

@@ -29,7 +29,6 @@ from hf_eagle31.model_cards.card import write_model_card
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.training import train_drafter
 from hf_eagle31.training.data import encode_prompt, load_sequences, save_sequences, self_distill
-from hf_eagle31.training.trainer import DISTILLED
 from hf_eagle31.tuning import tune_drafter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +37,7 @@ sys.path.insert(0, str(REPO / HERE))
 from build_prompts import function_openings, paragraph_openings  # noqa: E402
 
 BUDGET = dict(draft_vocab_size=4096, ttt_steps=6, steps=800, batch_size=16, lr=1e-3, max_length=320, save_every=100,
-              seed=0, mixed_precision="bf16" if torch.cuda.is_available() else "no")  # bf16 is slow on CPUs without AMX
+              seed=0, tune_prompts=0, mixed_precision="bf16" if torch.cuda.is_available() else "no")  # bf16 is slow on CPUs without AMX
 ANSWER_TOKENS, ANSWER_BATCH = 128, 64  # the target answers each prompt greedily, 64 prompts per generate call
 ARCHITECTURES = (("eagle3", "eagle3"), ("eagle3.1", "eagle31"))  # (--arch, folder)
 
@@ -67,7 +66,7 @@ def distill(target, tokenizer, prompts: list[dict], saved: Path) -> list[dict]:
 
 def train(target, tokenizer, prompts: list[dict], work: Path, steps: int) -> None:
     budget = {**BUDGET, "steps": steps, "feature_cache": str(work / "features")}
-    data = distill(target, tokenizer, prompts, work / DISTILLED)
+    data = distill(target, tokenizer, prompts, work / "distilled.jsonl")
     for arch, name in ARCHITECTURES:
         drafter = train_drafter(target, data, work / name, tokenizer, arch=arch, **budget)
         drafter.to("cpu", torch.bfloat16).save_pretrained(HERE / name)

@@ -1,7 +1,7 @@
 """Benchmark EAGLE-3 / 3.1 against the target alone, assisted generation and prompt lookup, in one run.
 
-`hf-eagle31 bench` (defaults: the shipped demo pair) writes results.json, results.md and plots to
---out. With a drafter, the tree shape is first tuned to this device (see `hf_eagle31.tuning`).
+`hf-eagle31 bench` (defaults: SmolLM2-135M-Instruct with its shipped drafters on four benchmark
+sets; `--pair demo` for the 17M demo pair) writes results.json, results.md and plots to --out. With a drafter, the tree shape is first tuned to this device (see `hf_eagle31.tuning`).
 """
 
 from __future__ import annotations
@@ -16,22 +16,39 @@ from pathlib import Path
 import torch
 
 DEMO = Path("examples/demo_pair")
+SMOLLM2 = Path("examples/smollm2")
 CALIBRATION_PROMPTS = 10  # tuning is only as good as its acceptance sample
+PAIRS = {  # --pair: the models and prompts a run uses unless given one by one
+    "smollm2": dict(target="smollm2-135m-instruct", eagle3=str(SMOLLM2 / "eagle3"), eagle31=str(SMOLLM2 / "eagle31"),
+                    assistant=str(SMOLLM2 / "small_lm"),
+                    prompts=[str(SMOLLM2 / "prompts" / f"{n}.jsonl") for n in ("mt_bench", "gsm8k", "humaneval", "alpaca")],
+                    documents=str(SMOLLM2 / "heldout_conversations.jsonl")),
+    "demo": dict(target=str(DEMO / "target"), eagle3=str(DEMO / "eagle3"), eagle31=str(DEMO / "eagle31"),
+                 assistant=str(DEMO / "small_lm"), prompts=[str(DEMO / "heldout_prompts.jsonl")],
+                 documents=str(DEMO / "heldout_documents.jsonl")),
+}
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Benchmark EAGLE decoding against the target alone and other speculative methods."""
     add = parser.add_argument
-    add("--target", default=str(DEMO / "target"), help="target model folder or Hub id (with its tokenizer)")
-    add("--eagle3", default=str(DEMO / "eagle3"), help="EAGLE-3 drafter ('' to skip)")
-    add("--eagle31", default=str(DEMO / "eagle31"), help="EAGLE 3.1 drafter ('' to skip)")
-    add("--assistant", default=str(DEMO / "small_lm"), help="small LM for transformers' assisted generation ('' to skip)")
-    add("--prompts", default=str(DEMO / "heldout_prompts.jsonl"), help="JSONL with 'text' or 'turns' per line")
-    add("--documents", default=str(DEMO / "heldout_documents.jsonl"),
-        help="--drift: long texts (JSONL, 'text') to cut context-length prompts from ('' to use the prompts)")
-    add("--num-prompts", type=int, default=20, help="prompts measured, spread over the file; "
-        f"{CALIBRATION_PROMPTS} others calibrate the tuning")
+    add("--pair", choices=sorted(PAIRS), default="smollm2", help="shipped models and prompts to use "
+        "(smollm2: SmolLM2-135M-Instruct and its drafters on MT-Bench, GSM8K, HumanEval, Alpaca; demo: the 17M pair)")
+    add("--target", help="target model folder, Hub id or packaged name (with its tokenizer); a target other than "
+        "the pair's uses no drafter or assistant unless given")
+    add("--eagle3", help="EAGLE-3 drafter ('' to skip)")
+    add("--eagle31", help="EAGLE 3.1 drafter ('' to skip)")
+    add("--assistant", help="small LM for transformers' assisted generation ('' to skip)")
+    add("--prompts", nargs="+", help="JSONL files with 'text' or 'turns' per line, one dataset each")
+    add("--documents", help="--drift: long texts (JSONL, 'text' or 'turns') to cut context-length prompts from")
+    add("--num-prompts", type=int, default=20, help="prompts measured per dataset, spread over the file; "
+        f"{CALIBRATION_PROMPTS} others in all calibrate the tuning")
     add("--max-new-tokens", type=int, default=128)
+    add("--temperature", type=float, default=0.0, help="0: greedy (outputs checked against the target's); "
+        "> 0: sampling, the same seed per prompt for every method")
+    add("--no-chat-template", action="store_true", help="tokenize prompts as plain text even if the tokenizer "
+        "has a chat template")
+    add("--verify-modes", action="store_true", help="also run EAGLE 3.1 tree with micro-batched and exact verify")
     add("--prompt-lookup-tokens", type=int, default=10)
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's dtype on CUDA), bfloat16, float16 "
@@ -43,8 +60,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--out", default="runs/bench")
 
 
+def resolve_pair(args: argparse.Namespace) -> None:
+    """Fill the settings left unset from `--pair`; a target of one's own keeps only what was given."""
+    pair = PAIRS[args.pair]
+    own_target = args.target is not None and args.target != pair["target"]
+    for key, value in pair.items():
+        if getattr(args, key) is None:
+            setattr(args, key, "" if own_target and key in ("eagle3", "eagle31", "assistant") else value)
+
+
 def read_texts(path: str) -> list[str]:
     """Prompt texts from JSONL lines with `text` or `turns` (the first turn)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     texts = [r["text"] if "text" in r else r["turns"][0] for r in records]
     if not texts:
@@ -69,13 +97,15 @@ def load_models(args):
 
     from hf_eagle31.generation import prepare_drafter
     from hf_eagle31.modeling import Eagle3DraftModel
+    from hf_eagle31.packaged import resolve_model
 
     if args.dtype == "auto":  # most CPUs have no bf16 matrix units: batched bf16 matmuls are slow there
         dtype = torch.float32 if args.device == "cpu" else "auto"
     else:
         dtype = getattr(torch, args.dtype)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    path = resolve_model(args.target)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
     drafters = {}
     for name, path in (("EAGLE-3", args.eagle3), ("EAGLE 3.1", args.eagle31)):
         if path:
@@ -107,7 +137,7 @@ def tune(target, drafter, prompts, max_new_tokens) -> dict:
     return tune_drafter(target, drafter, prompts, max_new_tokens).as_dict()
 
 
-def methods_for(drafters, assistant, lookup_tokens):
+def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False):
     from hf_eagle31.bench.runner import Method
 
     methods = [Method("target alone")]
@@ -117,7 +147,7 @@ def methods_for(drafters, assistant, lookup_tokens):
     for name, drafter in drafters.items():
         for mode in ("chain", "tree"):
             methods.append(Method(f"{name} {mode}", {"assistant_model": drafter}, {"speculation_mode": mode}))
-    if "EAGLE 3.1" in drafters:  # the options measured: micro-batched and bit-exact verification
+    if verify_modes and "EAGLE 3.1" in drafters:  # the options measured: micro-batched and bit-exact verification
         drafter = {"assistant_model": drafters["EAGLE 3.1"]}
         methods.append(Method("EAGLE 3.1 tree, micro-batched verify", drafter,
                               {"speculation_mode": "tree", "verify_chunk_depth": 2}))
@@ -156,12 +186,25 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def run(args: argparse.Namespace) -> int:
-    from hf_eagle31.bench.report import headline, markdown_table, tuning_table, write_results
-    from hf_eagle31.bench.runner import run_all
+def encoder(tokenizer, args):
+    """Prompt text -> ids on the device: through the chat template when the tokenizer has one (a chat model is
+    benchmarked as it is used), unless --no-chat-template."""
+    from hf_eagle31.training.data import encode_prompt
 
+    chat = getattr(tokenizer, "chat_template", None) and not args.no_chat_template
+    if chat:
+        return lambda text: torch.tensor([encode_prompt(tokenizer, text)], device=args.device)
+    return lambda text: tokenizer(text, return_tensors="pt").input_ids.to(args.device)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_eagle31.bench.report import dataset_table, headline, markdown_table, tuning_table, write_results
+    from hf_eagle31.bench.runner import combine, run_all
+
+    resolve_pair(args)
+    datasets = {Path(path).stem: read_texts(path) for path in args.prompts}
     target, tokenizer, drafters, assistant = load_models(args)
-    texts = read_texts(args.prompts)
+    encode = encoder(tokenizer, args)
     meta = {
         "command": command_line(args),
         "date": datetime.date.today().isoformat(),
@@ -169,24 +212,34 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "dtype": str(target.dtype),
         "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
     }
     if args.drift:
         from hf_eagle31.bench.drift import run_drift_study
 
+        texts = [t for texts in datasets.values() for t in split_prompts(texts, args.num_prompts)[0]]
         documents = read_texts(args.documents) if args.documents else None
         return run_drift_study(target, tokenizer, drafters, texts, args, documents, meta)
-    measured, calibration = split_prompts(texts, args.num_prompts)
-    encode = lambda items: [tokenizer(t, return_tensors="pt").input_ids.to(args.device) for t in items]  # noqa: E731
-    prompts = encode(measured)
-    meta["prompts"] = len(prompts)
-    tuning = {} if args.no_tune else {name: tune(target, d, encode(calibration), args.max_new_tokens)
+    measured, calibration = {}, []
+    for name, texts in datasets.items():
+        chosen, others = split_prompts(texts, args.num_prompts, max(1, CALIBRATION_PROMPTS // len(datasets)))
+        measured[name] = [encode(t) for t in chosen]
+        calibration += [encode(t) for t in others]
+    meta["prompts"] = {name: len(p) for name, p in measured.items()}
+    tuning = {} if args.no_tune else {name: tune(target, d, calibration, args.max_new_tokens)
                                       for name, d in drafters.items()}
-    results = run_all(target, prompts, methods_for(drafters, assistant, args.prompt_lookup_tokens), args.max_new_tokens)
+    methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes)
+    per_dataset = {name: (run_all(target, p, methods, args.max_new_tokens, temperature=args.temperature), len(p))
+                   for name, p in measured.items()}
+    results = combine([r for r, _ in per_dataset.values()])
+    prompts = sum(n for _, n in per_dataset.values())
     if args.project:
         meta["projections"] = projections(args, tuning, target.dtype)
-    write_results(Path(args.out), results, len(prompts), meta, tuning)
-    print(markdown_table(results, len(prompts)))
-    print("\n" + "\n".join(headline(results, len(prompts))))
+    write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None)
+    print(markdown_table(results, prompts, tuning))
+    if len(per_dataset) > 1:
+        print("\n" + dataset_table({k: v[0] for k, v in per_dataset.items()}, {k: v[1] for k, v in per_dataset.items()}))
+    print("\n" + "\n".join(headline(results, prompts)))
     if tuning:
         print("\n" + tuning_table(tuning))
     for shape, projection in meta.get("projections", {}).items():

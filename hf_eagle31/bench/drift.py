@@ -37,7 +37,8 @@ def continuations(target, tokenizer, texts: list[str], new_tokens: int) -> list[
     sequences = []
     for text in texts:
         prompt = tokenizer(text, return_tensors="pt").input_ids.to(target.device)
-        out = target.generate(prompt, do_sample=False, max_new_tokens=new_tokens)[0].tolist()
+        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=new_tokens)[0].tolist()
         sequences.append(TrainingSequence(out, [0] * prompt.shape[1] + [1] * (len(out) - prompt.shape[1])))
     return sequences
 

@@ -8,19 +8,49 @@ from pathlib import Path
 from hf_eagle31.bench.runner import MethodResult
 
 
-def markdown_table(results: list[MethodResult], prompts: int) -> str:
+def bound(result: MethodResult, tuning: dict, prompts: int) -> float | None:
+    """tau * t_target / (t_verify(n) + t_draft(d)): the speedup this run's tau allows with the draft shape it
+    used, from the costs tuning measured on this device (None without them)."""
+    report = next((t for name, t in tuning.items() if result.name.startswith(name + " ")), None)
+    shape = result.speculation
+    if report is None or not shape:
+        return None
+    chain = shape["speculation_mode"] == "chain"
+    key = (1, shape["num_assistant_tokens"], shape["num_assistant_tokens"]) if chain else \
+        (shape["tree_top_k"], shape["tree_depth"], shape["tree_total_tokens"])
+    for c in report.get("candidates", []):
+        if (c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"]) == key and c["tau"] > 0:
+            return result.tau(prompts) * c["speedup"] / c["tau"]  # the candidate's speedup / tau is the cost ratio
+    return None
+
+
+def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | None = None) -> str:
     rows = [
-        "| method | tokens/s | speedup | tau | acceptance by depth | identical to target | peak memory (MiB) |",
-        "|---|---:|---:|---:|---|---|---:|",
+        "| method | tokens/s | speedup | tau | bound (reached) | acceptance by depth | identical to target "
+        "| peak memory (MiB) |",
+        "|---|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in results:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_depth[:8]) or "-"
         identical = "-" if r.identical_to_target is None else ("yes" if r.identical_to_target else "**NO**")
         memory = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.0f}"
+        limit = bound(r, tuning or {}, prompts)
+        reach = "-" if limit is None else f"{limit:.2f}x ({r.speedup / limit:.0%})"
         rows.append(
-            f"| {r.name} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.tau(prompts):.2f} | {acceptance} "
+            f"| {r.name} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.tau(prompts):.2f} | {reach} | {acceptance} "
             f"| {identical} | {memory} |"
         )
+    return "\n".join(rows)
+
+
+def dataset_table(per_dataset: dict[str, list[MethodResult]], prompts: dict[str, int]) -> str:
+    """tau and speedup of every method on every dataset."""
+    names = list(per_dataset)
+    rows = ["| method | " + " | ".join(f"{n} tau | {n} speedup" for n in names) + " |",
+            "|---|" + "---:|---:|" * len(names)]
+    for index, first in enumerate(per_dataset[names[0]]):
+        cells = [f"{per_dataset[n][index].tau(prompts[n]):.2f} | {per_dataset[n][index].speedup:.2f}x" for n in names]
+        rows.append(f"| {first.name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -68,34 +98,47 @@ def tuning_table(tuning: dict[str, dict]) -> str:
     return "\n\n".join(lines)
 
 
-def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta: dict, tuning: dict) -> dict:
+def _rows(results: list[MethodResult], prompts: int, tuning: dict) -> list[dict]:
+    return [
+        {
+            "name": r.name,
+            "tokens_per_second": r.tokens_per_second,
+            "speedup": r.speedup,
+            "tau": r.tau(prompts),
+            "acceptance_per_depth": r.acceptance_per_depth,
+            "reached_per_depth": r.reached,
+            "accepted_per_depth": r.accepted,
+            "new_tokens": r.new_tokens,
+            "seconds": r.seconds,
+            "target_forwards": r.target_forwards,
+            "peak_memory_bytes": r.peak_memory_bytes,
+            "identical_to_target": r.identical_to_target,
+            "speculation": r.speculation,
+            "bound": bound(r, tuning, prompts),
+        }
+        for r in results
+    ]
+
+
+def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta: dict, tuning: dict,
+                  per_dataset: dict[str, tuple[list[MethodResult], int]] | None = None) -> dict:
+    """results.json, results.md and plots; `per_dataset` maps a dataset to its results and prompt count."""
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         **meta,
-        "methods": [
-            {
-                "name": r.name,
-                "tokens_per_second": r.tokens_per_second,
-                "speedup": r.speedup,
-                "tau": r.tau(prompts),
-                "acceptance_per_depth": r.acceptance_per_depth,
-                "reached_per_depth": r.reached,
-                "accepted_per_depth": r.accepted,
-                "new_tokens": r.new_tokens,
-                "seconds": r.seconds,
-                "target_forwards": r.target_forwards,
-                "peak_memory_bytes": r.peak_memory_bytes,
-                "identical_to_target": r.identical_to_target,
-                "speculation": r.speculation,
-            }
-            for r in results
-        ],
+        "methods": _rows(results, prompts, tuning),
+        "datasets": {name: {"prompts": n, "methods": _rows(rs, n, tuning)} for name, (rs, n) in (per_dataset or {}).items()},
         "headline": headline(results, prompts),
         "tuning": tuning,
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str))
     summary = "".join(f"- {line}\n" for line in payload["headline"])
-    (out_dir / "results.md").write_text(f"{markdown_table(results, prompts)}\n\n{summary}\n{tuning_table(tuning)}\n")
+    datasets = ""
+    if per_dataset:
+        datasets = dataset_table({k: v[0] for k, v in per_dataset.items()}, {k: v[1] for k, v in per_dataset.items()})
+        datasets = f"\n{datasets}\n"
+    (out_dir / "results.md").write_text(f"{markdown_table(results, prompts, tuning)}\n{datasets}\n{summary}\n"
+                                        f"{tuning_table(tuning)}\n")
     plot_results(out_dir, results, prompts, tuning)
     return payload
 

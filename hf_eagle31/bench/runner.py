@@ -116,22 +116,31 @@ def run_method(
     max_new_tokens: int,
     reference: list[torch.Tensor] | None = None,
     progress: bool = True,
+    temperature: float = 0.0,
 ) -> tuple[MethodResult, list[torch.Tensor]]:
-    """Greedy-decode every prompt with `method`; compare with `reference` outputs when given."""
+    """Decode every prompt with `method` (greedy, or sampled at `temperature` with a fixed seed per prompt);
+    greedy outputs are compared with `reference` outputs when given."""
     if method.drafter is None:
-        return _run_method(target, prompts, method, max_new_tokens, reference, progress)
+        return _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature)
     with speculation_settings(method.drafter, **method.speculation):
-        return _run_method(target, prompts, method, max_new_tokens, reference, progress)
+        return _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature)
 
 
-def _run_method(target, prompts, method, max_new_tokens, reference, progress):
-    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, **method.generate_kwargs)
-    target.generate(prompts[0], **{**kwargs, "max_new_tokens": min(8, max_new_tokens)})  # warm-up
+SHAPE = ("speculation_mode", "num_assistant_tokens", "tree_top_k", "tree_depth", "tree_total_tokens")
+
+
+def _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature=0.0):
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    kwargs = {**sampling, "max_new_tokens": max_new_tokens, **method.generate_kwargs}
+    # prompts are unpadded: a mask of ones keeps transformers from reading a pad id inside the text as padding
+    mask = lambda prompt: torch.ones_like(prompt)  # noqa: E731
+    target.generate(prompts[0], attention_mask=mask(prompts[0]), **{**kwargs, "max_new_tokens": min(8, max_new_tokens)})
     outputs, seconds, reached, accepted = [], 0.0, [], []
     with peak_memory(target.device) as memory, count_forwards(target) as forwards:
-        for prompt in tqdm(prompts, desc=method.name, leave=False, disable=not progress):
+        for number, prompt in enumerate(tqdm(prompts, desc=method.name, leave=False, disable=not progress)):
+            torch.manual_seed(number)  # sampling: every method draws with the same seed per prompt
             started = time.perf_counter()
-            out = target.generate(prompt, **kwargs)
+            out = target.generate(prompt, attention_mask=mask(prompt), **kwargs)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - started
@@ -141,7 +150,8 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress):
                 reached = _add(reached, stats.reached)
                 accepted = _add(accepted, stats.accepted)
     new_tokens = sum(o.shape[1] - p.shape[1] for o, p in zip(outputs, prompts))
-    identical = None if reference is None else all(torch.equal(o, r) for o, r in zip(outputs, reference))
+    identical = None if reference is None or temperature > 0 else all(torch.equal(o, r) for o, r in zip(outputs, reference))
+    used = method.drafter.generation_config if method.drafter is not None else None
     result = MethodResult(
         name=method.name,
         new_tokens=new_tokens,
@@ -151,7 +161,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress):
         identical_to_target=identical,
         reached=reached,
         accepted=accepted,
-        speculation=dict(method.speculation),
+        speculation={name: getattr(used, name, None) for name in SHAPE} if used is not None else {},
     )
     return result, outputs
 
@@ -163,14 +173,37 @@ def _add(total: list[int], more: list[int]) -> list[int]:
 
 def run_all(
     target: PreTrainedModel, prompts: list[torch.Tensor], methods: list[Method], max_new_tokens: int,
-    progress: bool = True,
+    progress: bool = True, temperature: float = 0.0,
 ) -> list[MethodResult]:
     """Run `methods` in order; the first is the baseline every speedup and output is compared with."""
     results, reference = [], None
     for method in tqdm(methods, desc="methods", disable=not progress):
-        result, outputs = run_method(target, prompts, method, max_new_tokens, reference, progress)
+        result, outputs = run_method(target, prompts, method, max_new_tokens, reference, progress, temperature)
         reference = reference or outputs
         results.append(result)
+    _speedups(results)
+    return results
+
+
+def _speedups(results: list[MethodResult]) -> None:
     for result in results:
         result.speedup = result.tokens_per_second / results[0].tokens_per_second
-    return results
+
+
+def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
+    """One result per method over several runs of the same methods (datasets): counts and times summed."""
+    combined = []
+    for same in zip(*runs):
+        memory = [r.peak_memory_bytes for r in same if r.peak_memory_bytes is not None]
+        identical = [r.identical_to_target for r in same]
+        reached, accepted = [], []
+        for r in same:
+            reached, accepted = _add(reached, r.reached), _add(accepted, r.accepted)
+        combined.append(MethodResult(
+            name=same[0].name, new_tokens=sum(r.new_tokens for r in same), seconds=sum(r.seconds for r in same),
+            target_forwards=sum(r.target_forwards for r in same), peak_memory_bytes=max(memory) if memory else None,
+            identical_to_target=None if None in identical else all(identical), reached=reached, accepted=accepted,
+            speculation=same[0].speculation,
+        ))
+    _speedups(combined)
+    return combined

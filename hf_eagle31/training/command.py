@@ -1,7 +1,8 @@
 """Train an EAGLE-3 / EAGLE 3.1 drafter for a target model (self-distillation with training-time test).
 
-`hf-eagle31 train --target DIR --data FILE.jsonl --out DIR [...]`; `accelerate launch -m
-hf_eagle31.cli train ...` runs the same command on several GPUs.
+`hf-eagle31 train --target DIR --data FILE --out DIR [...]`; `accelerate launch -m
+hf_eagle31.cli train ...` runs the same command on several processes (distillation and training
+are both split between them).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Train an EAGLE-3 / EAGLE 3.1 drafter for a target model."""
     defaults = TrainingConfig()
     add = parser.add_argument
-    add("--target", required=True, help="the target model (folder or Hub id), with its tokenizer")
-    add("--data", required=True, help="JSONL of prompts ({'turns': [...]}, answered by the target) or {'text': ...} lines")
+    add("--target", required=True, help="the target model (folder, Hub id or packaged name), with its tokenizer")
+    add("--data", required=True, help="ShareGPT JSON/JSONL, chat 'messages' or 'turns' records (the target answers "
+        "them), 'text' or 'input_ids' records, or a folder written by `hf-eagle31 distill`")
     add("--out", required=True, help="output folder: the drafter, train_log.csv, checkpoints/, README.md")
     add("--drafter", help="continue training this drafter instead of starting a new one")
     add("--arch", choices=sorted(ARCHITECTURES), default=defaults.arch)
@@ -33,6 +35,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--max-length", type=int, default=defaults.max_length, help="tokens per training sequence (longer ones are cut)")
     add("--answer-max-new-tokens", type=int, default=defaults.answer_max_new_tokens)
     add("--answer-temperature", type=float, default=defaults.answer_temperature, help="0: greedy answers")
+    add("--max-turns", type=int, help="user turns answered per conversation (default: all that fit in --max-length)")
+    add("--distill-batch-size", type=int, default=defaults.distill_batch_size, help="prompts per generate call")
+    add("--token-budget", type=int, help="stop self-distillation at this many answer tokens (resumable)")
+    add("--tune-prompts", type=int, default=defaults.tune_prompts,
+        help="sequences held out to tune the draft shape on at the end (0: keep the default shape)")
     add("--mixed-precision", choices=["no", "bf16", "fp16"], default=defaults.mixed_precision)
     add("--save-every", type=int, default=defaults.save_every, help="checkpoint every N optimizer steps")
     add("--feature-cache", help="folder for an offline cache of target features (default: computed online)")
@@ -44,6 +51,9 @@ def load_target(name: str):
     """The target and its tokenizer (None if it has none), with a clear error for an unreadable folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_eagle31.packaged import resolve_model
+
+    name = resolve_model(name)
     try:
         target = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
     except (OSError, ValueError) as err:
@@ -67,7 +77,8 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"cannot load the drafter {args.drafter}: {err}") from None
     names = {"arch", "draft_vocab_size", "ttt_steps", "steps", "epochs", "acceptance_steps", "lr", "batch_size",
              "grad_accum", "max_length", "answer_max_new_tokens", "answer_temperature", "mixed_precision",
-             "save_every", "feature_cache", "resume", "seed"}
+             "save_every", "feature_cache", "resume", "seed", "max_turns", "distill_batch_size", "token_budget",
+             "tune_prompts"}
     config = TrainingConfig(**{name: getattr(args, name) for name in names})
     train_drafter(target, args.data, args.out, tokenizer=tokenizer, drafter=drafter, config=config)
     print(f"saved the drafter to {Path(args.out)}")

@@ -32,18 +32,20 @@ def distillation_losses(
 ) -> torch.Tensor:
     """Forward KL(target || drafter) per step, `[K]`.
 
-    `target_draft_logits` `[B, L, V_d]` are the target's logits at the draft vocabulary's ids
-    (draft order): softmax over them is the target's distribution restricted to the draft
-    vocabulary and renormalised. Only the predictions that count are computed: prompt and padding
-    positions are often half of a batch, and the `[B, T, V_d]` softmaxes dominate a CPU step.
+    `step_logits[k]` `[count_k, V_d]` are step k's logits where its prediction counts
+    (`step_mask(loss_mask, k, T)`, as `unroll(..., loss_mask)` returns them: prompt and padding
+    positions are often half of a batch, and the head and softmaxes over them would dominate a CPU
+    step). `target_draft_logits` `[B, L, V_d]` are the target's logits at the draft vocabulary's
+    ids (draft order): softmax over them is the target's distribution restricted to the draft
+    vocabulary and renormalised.
     """
     log_p_all = torch.log_softmax(target_draft_logits.float(), dim=-1)
+    length = target_draft_logits.shape[1] - 1
     losses = []
     for step, logits in enumerate(step_logits):
-        length = logits.shape[1]
         keep = step_mask(loss_mask, step, length).to(logits.device)
         log_p = ahead(log_p_all, step + 1, length).to(logits.device)[keep]
-        log_q = torch.log_softmax(logits[keep].float(), dim=-1)
+        log_q = torch.log_softmax(logits.float(), dim=-1)
         kl = (log_p.exp() * (log_p - log_q)).sum(-1)
         losses.append(kl.sum() / max(kl.shape[0], 1))
     return torch.stack(losses)

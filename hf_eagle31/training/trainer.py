@@ -14,6 +14,7 @@ import csv
 import json
 import math
 import shutil
+import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -32,13 +33,10 @@ from hf_eagle31.training.data import (
     SequenceDataset,
     TrainingSequence,
     collate,
-    encode_examples,
     fit_length,
-    load_sequences,
     read_examples,
-    save_sequences,
-    self_distill,
 )
+from hf_eagle31.training.distill import DistillSettings, distill_to_folder, load_distilled
 from hf_eagle31.training.feature_cache import build_feature_cache
 from hf_eagle31.training.losses import acceptance_loss, ahead, distillation_losses, step_mask
 from hf_eagle31.training.teacher import draft_vocab_ids, target_logits, target_states
@@ -47,7 +45,7 @@ from hf_eagle31.training.vocab import build_draft_vocab, token_counts
 
 ARCHITECTURES = {"eagle3": False, "eagle3.1": True}  # --arch -> both 3.1 switches on?
 MAX_TTT_STEPS = 7
-DISTILLED = "distilled.jsonl"  # the self-distilled sequences, reused on resume
+DISTILLED = "distilled"  # the self-distilled chunks, reused by a resumed or repeated run
 LOG = "train_log.csv"
 STATE = "trainer_state.json"  # written last into each checkpoint: its presence marks it complete
 TRAINING_ARGS = "training_args.json"  # what the model card reports about training
@@ -68,6 +66,10 @@ class TrainingConfig:
     max_length: int = 2048
     answer_max_new_tokens: int = 256
     answer_temperature: float = 0.0  # 0: the target answers greedily
+    max_turns: int | None = None  # user turns answered per conversation (None: all that fit in max_length)
+    distill_batch_size: int = 32  # prompts per generate call while the target answers
+    token_budget: int | None = None  # stop self-distillation at this many answer tokens (None: all the data)
+    tune_prompts: int = 8  # sequences held out of training to tune the draft shape on at the end (0: no tuning)
     acceptance_steps: int = 0  # stage-2 optimizer steps
     loss_decay: float = 0.8
     warmup_steps: int | None = None  # None: 10% of stage 1, at most 100
@@ -90,6 +92,10 @@ class TrainingConfig:
             raise ValueError("nothing to train: steps/epochs and acceptance_steps are all 0")
         if self.max_length < 3:
             raise ValueError(f"max_length must be at least 3 tokens, got {self.max_length}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget must be a positive number of answer tokens, got {self.token_budget}")
+        if self.tune_prompts < 0:
+            raise ValueError(f"tune_prompts cannot be negative, got {self.tune_prompts}")
 
 
 def drafter_config_for(target: PreTrainedModel, arch: str = "eagle3.1", draft_vocab_size: int | None = None,
@@ -180,41 +186,63 @@ class CsvLog:
 
 def training_sequences(target: PreTrainedModel, data, tokenizer, config: TrainingConfig, out_dir: Path,
                        accelerator: Accelerator) -> list[TrainingSequence]:
-    """Tokenized records, prompts answered by the target (split across processes); reused on resume."""
-    saved = out_dir / DISTILLED
-    if config.resume and saved.exists():
-        return load_sequences(saved)
+    """Records as training sequences; conversations are answered by the target into `out_dir/distilled`.
+
+    Distillation is chunked (see `hf_eagle31.training.distill`): chunks already written are reused,
+    so an interrupted or repeated run with the same data and settings never answers a prompt twice.
+    """
     examples = read_examples(data)
-    context = target.config.get_text_config().max_position_embeddings
-    prompts, texts = encode_examples(examples, tokenizer, context)
-    vocab = target.config.get_text_config().vocab_size
-    if any(not 0 <= i < vocab for s in texts for i in s.input_ids):
-        raise ValueError(f"the training data holds token ids outside the target's vocabulary of {vocab} tokens")
-    answered = []
-    if prompts:
-        pad = tokenizer.pad_token_id
-        if pad is None:
-            eos = target.generation_config.eos_token_id
-            pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
-        with accelerator.split_between_processes(prompts) as mine:
-            answered = self_distill(target, mine, config.answer_max_new_tokens, config.batch_size,
-                                    config.answer_temperature, pad)
-        answered = gather_object(answered) if accelerator.num_processes > 1 else answered
-    sequences = fit_length(answered + texts, config.max_length)
+    text_config = target.config.get_text_config()
+    if (examples.texts or examples.conversations) and tokenizer is None:
+        raise ValueError("the training data needs a tokenizer (none was given and the target folder has none)")
+    sequences = examples.sequences + [TrainingSequence(ids, [1] * len(ids))
+                                      for ids in (tokenizer(t)["input_ids"] for t in examples.texts)]
+    if any(not 0 <= i < text_config.vocab_size for s in sequences for i in s.input_ids):
+        raise ValueError(f"the training data holds token ids outside the target's vocabulary of "
+                         f"{text_config.vocab_size} tokens")
+    if examples.conversations:
+        settings = DistillSettings(
+            max_length=min(config.max_length, text_config.max_position_embeddings),
+            max_new_tokens=config.answer_max_new_tokens, max_turns=config.max_turns,
+            batch_size=config.distill_batch_size, temperature=config.answer_temperature,
+        )
+        distill_to_folder(target, tokenizer, examples.conversations, out_dir / DISTILLED, settings,
+                          config.token_budget, process_index=accelerator.process_index,
+                          num_processes=accelerator.num_processes)
+        accelerator.wait_for_everyone()
+        answered, report = load_distilled(out_dir / DISTILLED)
+        if report.too_long:
+            warnings.warn(f"{report.too_long} of {report.conversations} conversations were left out: their first "
+                          f"prompt leaves no room for an answer within max_length ({settings.max_length} tokens)",
+                          stacklevel=2)
+        sequences = answered + sequences
+    sequences = fit_length(sequences, config.max_length)
     if not sequences:
-        raise ValueError("the training data is empty: no sequence has a token to learn within max_length")
-    if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_sequences(sequences, saved)
+        raise ValueError(f"the training data is empty: no sequence has a token to learn within max_length "
+                         f"({config.max_length} tokens)")
     return sequences
 
 
 def new_drafter(target: PreTrainedModel, config: TrainingConfig, sequences: list[TrainingSequence]) -> Eagle3DraftModel:
-    drafter = Eagle3DraftModel(drafter_config_for(target, config.arch, config.draft_vocab_size))
-    if config.draft_vocab_size is not None:
-        d2t, t2d = build_draft_vocab(token_counts(sequences, drafter.config.vocab_size), config.draft_vocab_size)
+    size = config.draft_vocab_size
+    if size is not None:
+        counts = token_counts(sequences, target.config.get_text_config().vocab_size)
+        seen = int((counts > 0).sum())
+        if seen < size:  # the rest would be arbitrary ids the drafter never saw: size it from the data
+            warnings.warn(f"the answers hold only {seen} distinct tokens, fewer than draft_vocab_size={size}: "
+                          f"the draft vocabulary has {seen} tokens", stacklevel=2)
+            size = seen
+    drafter = Eagle3DraftModel(drafter_config_for(target, config.arch, size))
+    if size is not None:
+        d2t, t2d = build_draft_vocab(counts, size)
         drafter.d2t.copy_(d2t)
         drafter.t2d.copy_(t2d)
+    # the drafter's head predicts what the target's head does, from a state of the same width: start from the
+    # target's rows (a short run otherwise spends its first steps rediscovering the output embedding)
+    head = target.get_output_embeddings()
+    if head is not None and head.weight.shape[1] == drafter.lm_head.weight.shape[1]:
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(head.weight[draft_vocab_ids(drafter).to(head.weight.device)])
     return drafter
 
 
@@ -229,7 +257,8 @@ def training_step(model, drafter: Eagle3DraftModel, target: PreTrainedModel, bat
         features, last = batch["features"], batch["last_hidden"]
     else:
         features, last = target_states(target, ids, batch["attention_mask"], drafter.config.target_layer_ids)
-    steps = model(features, ids, config.ttt_steps)
+    # stage 1 needs logits only where the loss counts; the acceptance objective multiplies along each chain
+    steps = model(features, ids, config.ttt_steps, None if acceptance_stage else mask)
     draft_ids = draft_vocab_ids(drafter)
     row = {}
     if acceptance_stage:
@@ -243,10 +272,11 @@ def training_step(model, drafter: Eagle3DraftModel, target: PreTrainedModel, bat
         loss = (kl * config.loss_decay ** torch.arange(len(steps), device=kl.device)).sum()
         row.update({f"kl_{k}": v for k, v in enumerate(kl.detach().tolist())})
     target_tokens = restricted.argmax(-1)
+    length = ids.shape[1] - 1
     for k, logits in enumerate(steps):
-        length = logits.shape[1]
         keep = step_mask(mask, k, length).to(logits.device)
-        match = logits.detach()[keep].argmax(-1) == ahead(target_tokens, k + 1, length).to(logits.device)[keep]
+        counted = logits.detach()[keep] if acceptance_stage else logits.detach()
+        match = counted.argmax(-1) == ahead(target_tokens, k + 1, length).to(logits.device)[keep]
         row[f"acc_{k}"] = float(match.float().mean()) if match.numel() else 0.0
     return loss, row
 
@@ -306,6 +336,12 @@ def train_drafter(
                          "output folder")
 
     sequences = training_sequences(target, data, tokenizer, config, out_dir, accelerator)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if config.tune_prompts:  # held out of training: the draft shape is tuned on prompts the drafter never saw
+        if len(sequences) <= config.tune_prompts:
+            raise ValueError(f"{len(sequences)} training sequences cannot spare tune_prompts={config.tune_prompts} "
+                             "for tuning; give more data or set tune_prompts=0")
+        sequences, calibration = sequences[: -config.tune_prompts], sequences[-config.tune_prompts :]
     if drafter is None:
         drafter = new_drafter(target, config, sequences)
         drafter.set_target_embedding(target.get_input_embeddings())
@@ -316,7 +352,7 @@ def train_drafter(
                                           config.batch_size)
     else:
         dataset = SequenceDataset(sequences)
-    sampler = EpochShuffle(len(dataset), config.seed)
+    sampler = EpochShuffle(len(dataset), config.seed, [len(s.input_ids) for s in sequences], config.batch_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, collate_fn=collate)
     model = Unrolled(drafter)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=(0.9, 0.95),
@@ -373,12 +409,28 @@ def train_drafter(
     accelerator.wait_for_everyone()
     drafter = unwrapped.eval()
     if accelerator.is_main_process:
+        if config.tune_prompts:
+            tune_on(target, drafter, calibration, config.answer_max_new_tokens, out_dir)
         drafter.save_pretrained(out_dir)
         write_training_args(out_dir, target, data, config, sequences, total)
         from hf_eagle31.model_cards.card import write_model_card
 
         write_model_card(out_dir, base_model=target.name_or_path or None)
     return drafter
+
+
+def tune_on(target: PreTrainedModel, drafter: Eagle3DraftModel, held_out: list[TrainingSequence],
+            max_new_tokens: int, out_dir: Path) -> None:
+    """Choose the draft shape for this device from held-out prompts (the part of each sequence before its
+    first training target) and store it in the drafter's generation config; the report goes to tuning.json."""
+    from hf_eagle31.tuning import tune_drafter
+
+    prompts = [torch.tensor([s.input_ids[: s.loss_mask.index(1)]]) for s in held_out if 1 in s.loss_mask[1:]]
+    prompts = [p for p in prompts if p.shape[1] > 0]
+    if not prompts:
+        return
+    report = tune_drafter(target, drafter, prompts, min(max_new_tokens, 96))
+    (out_dir / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
 
 
 def write_training_args(out_dir: Path, target: PreTrainedModel, data, config: TrainingConfig,

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_eagle31.modeling import Eagle3DraftModel, Eagle3DraftOutput
+from hf_eagle31.training.losses import step_mask
 
 
 def ttt_tail_mask(length: int, step: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -26,13 +27,16 @@ def ttt_tail_mask(length: int, step: int, device: torch.device | str | None = No
 
 
 def unroll(
-    drafter: Eagle3DraftModel, features: torch.Tensor, input_ids: torch.Tensor, steps: int
+    drafter: Eagle3DraftModel, features: torch.Tensor, input_ids: torch.Tensor, steps: int,
+    loss_mask: torch.Tensor | None = None,
 ) -> list[Eagle3DraftOutput]:
     """Run `steps` draft steps from every position of a teacher-forced sequence.
 
     Args:
         features: `[B, L, 3H_t]` the target's features of the sequence.
         input_ids: `[B, L]` the sequence.
+        loss_mask: `[B, L]`; when given, step k computes logits only where its prediction counts
+            (`step_mask(loss_mask, k, T)`), flattened to `[count, V_d]`.
     Returns:
         one output per step over `T = L - 1` positions: step k at position t has seen tokens
         `x[1..t+k+1]` and predicts `x[t+k+2]` (positions past the end are padding, to be masked).
@@ -45,7 +49,8 @@ def unroll(
     for step in range(steps):
         tokens = F.pad(input_ids[:, step + 1 :], (0, step))  # x[t+step+1]
         mask = ttt_tail_mask(length, step, input_ids.device)
-        out = drafter(tokens, hidden, positions + step, cache, mask)
+        keep = None if loss_mask is None else step_mask(loss_mask, step, length)
+        out = drafter(tokens, hidden, positions + step, cache, mask, logits_at=keep)
         outputs.append(out)
         hidden = out.hidden_states
     return outputs
@@ -58,5 +63,6 @@ class Unrolled(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
-        return tuple(out.logits for out in unroll(self.drafter, features, input_ids, steps))
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int,
+                loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        return tuple(out.logits for out in unroll(self.drafter, features, input_ids, steps, loss_mask))

