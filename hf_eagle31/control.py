@@ -110,9 +110,12 @@ class CollapseMonitor:
                 self.warned = True
                 logger.warning(
                     "EAGLE speculation was slower than plain decoding %d checks in a row (%.2f tokens per "
-                    "plain-step time); decoding plainly and probing again later. A drafter trained for a "
-                    "different target is the usual cause.",
-                    self.losing_streak, speculative_rate * plain_time,
+                    "plain-step time, %.1f tokens accepted per step); decoding plainly and probing again "
+                    "later. %s",
+                    self.losing_streak, speculative_rate * plain_time, self.window_tokens / self.window_steps,
+                    "Nothing was accepted: is this drafter trained for this target?" if nothing_accepted else
+                    "The drafter is accepted too rarely for this device's verify cost; a shorter draft "
+                    "(tune_drafter) or a better-trained drafter may pay.",
                 )
             self.fallbacks += 1
             self.plain_left = self.backoff

@@ -104,7 +104,8 @@ def write_model_card(
         repo_hint=f"{base_model}-{arch_tag}-drafter" if base_model else str(folder),
         config=config,
         weight_bytes=_weight_bytes(folder),
-        training={k: _format(v) for k, v in (training or {}).items() if k not in HIDDEN_TRAINING_KEYS and v is not None},
+        training={k: f"{v:.4g}" if isinstance(v, float) else str(v)  # a learning rate of 5e-4 stays 0.0005
+                  for k, v in (training or {}).items() if k not in HIDDEN_TRAINING_KEYS and v is not None},
         benchmark=rows,
         depths=len(rows[0]["alpha"]) if rows else 0,
     )

@@ -69,12 +69,12 @@ def resolve_pair(args: argparse.Namespace) -> None:
             setattr(args, key, "" if own_target and key in ("eagle3", "eagle31", "assistant") else value)
 
 
-def read_texts(path: str) -> list[str]:
-    """Prompt texts from JSONL lines with `text` or `turns` (the first turn)."""
+def read_texts(path: str, all_turns: bool = False) -> list[str]:
+    """Prompt texts from JSONL lines with `text` or `turns` (the first turn, or all of them joined)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    texts = [r["text"] if "text" in r else r["turns"][0] for r in records]
+    texts = [r["text"] if "text" in r else ("\n\n".join(r["turns"]) if all_turns else r["turns"][0]) for r in records]
     if not texts:
         raise ValueError(f"no prompts in {path}")
     return texts
@@ -186,25 +186,21 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def encoder(tokenizer, args):
-    """Prompt text -> ids on the device: through the chat template when the tokenizer has one (a chat model is
-    benchmarked as it is used), unless --no-chat-template."""
-    from hf_eagle31.training.data import encode_prompt
-
-    chat = getattr(tokenizer, "chat_template", None) and not args.no_chat_template
-    if chat:
-        return lambda text: torch.tensor([encode_prompt(tokenizer, text)], device=args.device)
-    return lambda text: tokenizer(text, return_tensors="pt").input_ids.to(args.device)
+def uses_chat_template(tokenizer, args) -> bool:
+    """A chat model is benchmarked as it is used: through its chat template (unless --no-chat-template)."""
+    return bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat_template
 
 
 def run(args: argparse.Namespace) -> int:
+    from hf_eagle31.bench.drift import prompt_encoders, run_drift_study
     from hf_eagle31.bench.report import dataset_table, headline, markdown_table, tuning_table, write_results
     from hf_eagle31.bench.runner import combine, run_all
 
     resolve_pair(args)
     datasets = {Path(path).stem: read_texts(path) for path in args.prompts}
     target, tokenizer, drafters, assistant = load_models(args)
-    encode = encoder(tokenizer, args)
+    plain, _ = prompt_encoders(tokenizer, uses_chat_template(tokenizer, args))
+    encode = lambda text: torch.tensor([plain(text)], device=args.device)  # noqa: E731
     meta = {
         "command": command_line(args),
         "date": datetime.date.today().isoformat(),
@@ -215,11 +211,10 @@ def run(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
     }
     if args.drift:
-        from hf_eagle31.bench.drift import run_drift_study
-
         texts = [t for texts in datasets.values() for t in split_prompts(texts, args.num_prompts)[0]]
-        documents = read_texts(args.documents) if args.documents else None
-        return run_drift_study(target, tokenizer, drafters, texts, args, documents, meta)
+        documents = read_texts(args.documents, all_turns=True) if args.documents else None
+        return run_drift_study(target, tokenizer, drafters, texts, args, documents, meta,
+                               uses_chat_template(tokenizer, args))
     measured, calibration = {}, []
     for name, texts in datasets.items():
         chosen, others = split_prompts(texts, args.num_prompts, max(1, CALIBRATION_PROMPTS // len(datasets)))

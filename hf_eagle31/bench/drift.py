@@ -31,12 +31,29 @@ CONTINUATION = 64  # tokens generated after each context-length prompt
 UNSEEN_TEMPLATE = "### Request\n{prompt}\n### Response (continue exactly)\n"
 
 
+UNSEEN_SYSTEM = "You are Ada, a terse research assistant. Answer formally, without lists."
+MAX_CONTEXT = 2048  # longest context measured (the real pair trains on at most 1024 tokens)
+
+
+def prompt_encoders(tokenizer, chat: bool):
+    """(plain, perturbed): text -> ids. A chat model gets its chat template, perturbed by a system prompt and a
+    request framing it never saw in training; a plain LM gets the raw text, perturbed by the framing alone."""
+    from hf_eagle31.training.data import render
+
+    if chat:
+        plain = lambda text: render(tokenizer, [{"role": "user", "content": text}])  # noqa: E731
+        perturbed = lambda text: render(tokenizer, [{"role": "system", "content": UNSEEN_SYSTEM},  # noqa: E731
+                                                    {"role": "user", "content": UNSEEN_TEMPLATE.format(prompt=text)}])
+        return plain, perturbed
+    return (lambda text: tokenizer(text).input_ids), (lambda text: tokenizer(UNSEEN_TEMPLATE.format(prompt=text)).input_ids)
+
+
 @torch.no_grad()
-def continuations(target, tokenizer, texts: list[str], new_tokens: int) -> list[TrainingSequence]:
+def continuations(target, encode, texts: list[str], new_tokens: int) -> list[TrainingSequence]:
     """The target's greedy continuations; only the continuation counts for acceptance."""
     sequences = []
     for text in texts:
-        prompt = tokenizer(text, return_tensors="pt").input_ids.to(target.device)
+        prompt = torch.tensor([encode(text)], device=target.device)
         out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                               max_new_tokens=new_tokens)[0].tolist()
         sequences.append(TrainingSequence(out, [0] * prompt.shape[1] + [1] * (len(out) - prompt.shape[1])))
@@ -94,16 +111,19 @@ def mechanism(drafter, target, sequences: list[TrainingSequence]) -> dict:
 
 
 def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args, documents: list[str] | None = None,
-                    meta: dict | None = None) -> int:
-    """`texts` are prompts; context-length prompts are cut from `documents` (long held-out texts), or from `texts`.
+                    meta: dict | None = None, chat: bool = False) -> int:
+    """`texts` are prompts (through the chat template when `chat`); context-length prompts are raw windows cut
+    from `documents` (long held-out texts), or from `texts`.
 
     drift.json holds `meta` (command, date, machine) beside the per-drafter results under "drafters".
     """
-    plain = continuations(target, tokenizer, texts, args.max_new_tokens)
-    templated = continuations(target, tokenizer, [UNSEEN_TEMPLATE.format(prompt=t) for t in texts], args.max_new_tokens)
-    max_context = target.config.max_position_embeddings - 2 * CONTINUATION  # room for the continuation
-    lengths = [n for n in (32, 64, 128, 256, 512, 1024, 2048, 4096) if n < max_context] + [max_context]
-    by_length = {n: continuations(target, tokenizer, long_texts(tokenizer, documents or texts, n), CONTINUATION)
+    encode, perturbed = prompt_encoders(tokenizer, chat)
+    plain = continuations(target, encode, texts, args.max_new_tokens)
+    templated = continuations(target, perturbed, texts, args.max_new_tokens)
+    max_context = min(MAX_CONTEXT, target.config.max_position_embeddings - 2 * CONTINUATION)  # room to continue
+    lengths = [n for n in (32, 64, 128, 256, 512, 1024) if n < max_context] + [max_context]
+    raw = lambda text: tokenizer(text).input_ids  # noqa: E731
+    by_length = {n: continuations(target, raw, long_texts(tokenizer, documents or texts, n), CONTINUATION)
                  for n in lengths}
     by_length = {n: seqs for n, seqs in by_length.items() if seqs}
     results = {}
