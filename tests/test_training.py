@@ -4,6 +4,7 @@ chain drafting, losses written as loops, hand-counted vocabularies, an uninterru
 import copy
 import csv
 import json
+import math
 
 import pytest
 import torch
@@ -141,6 +142,31 @@ def test_distillation_losses_against_loops():
         assert float(losses[k]) == pytest.approx(sum(terms) / len(terms), rel=1e-5)
 
 
+@pytest.mark.parametrize("eta", [0.0, 3.0, 50.0])
+def test_lk_loss_against_loops(eta):
+    """LK-lambda per position: exp(-eta a) KL + (1 - exp(-eta a)) (1 - a), a = sum min(p, q); eta 0 is plain KL."""
+    torch.manual_seed(2)
+    batch, length, vocab = 2, 6, 5
+    steps = tuple(torch.randn(batch, length - 1, vocab, requires_grad=True) for _ in range(2))
+    target_logits = torch.randn(batch, length, vocab)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
+    counted = tuple(logits[step_mask(mask, k, length - 1)] for k, logits in enumerate(steps))
+    losses = distillation_losses(counted, target_logits, mask, lk_eta=eta)
+    for k in range(2):
+        terms = []
+        for b in range(batch):
+            for t in range(length - 1):
+                if t + k + 2 < length and mask[b, t + k + 2]:
+                    p = torch.softmax(target_logits[b, t + k + 1], -1)
+                    q = torch.softmax(steps[k][b, t].detach(), -1)
+                    a = float(torch.minimum(p, q).sum())
+                    w = math.exp(-eta * a)
+                    terms.append(w * float((p * (p / q).log()).sum()) + (1 - w) * (1 - a))
+        assert float(losses[k]) == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    losses.sum().backward()  # alpha's weight is not differentiated, alpha itself is
+    assert all(torch.isfinite(s.grad).all() and s.grad.abs().sum() > 0 for s in steps)
+
+
 def test_acceptance_objective_against_direct_computation():
     torch.manual_seed(1)
     batch, length, vocab = 2, 6, 7
@@ -251,6 +277,24 @@ def test_feature_cache_trains_like_online_features(target, distilled, tmp_path):
     assert (tmp_path / "cache" / "index.json").exists()
     for name, value in weights(online).items():
         torch.testing.assert_close(weights(cached)[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_feature_cache_computes_only_what_it_lacks(target, distilled, tmp_path, monkeypatch):
+    """Data grown at the end reuses the shards already built; every item equals a fresh build's."""
+    from hf_eagle31.training import feature_cache
+
+    sequences, layer_ids = distilled[0][:7], [1, 2, 3]
+    feature_cache.build_feature_cache(target, sequences[:4], layer_ids, tmp_path / "grown", 2, shard_size=2)
+    real, calls = feature_cache.target_states, []
+    monkeypatch.setattr(feature_cache, "target_states", lambda *a: calls.append(1) or real(*a))
+    grown = feature_cache.build_feature_cache(target, sequences, layer_ids, tmp_path / "grown", 2, shard_size=2)
+    assert len(calls) == 2  # the last two shards: sequences 4-5 and 6
+    fresh = feature_cache.build_feature_cache(target, sequences, layer_ids, tmp_path / "fresh", 7, shard_size=64)
+    assert len(grown) == len(fresh) == 7
+    for i in range(7):
+        for name, value in fresh[i].items():
+            torch.testing.assert_close(grown[i][name], value, rtol=1e-5, atol=1e-5)
+        assert grown[i]["input_ids"].tolist() == sequences[i].input_ids
 
 
 def test_resume_after_interruption_continues_from_saved_step(target, distilled, tmp_path, monkeypatch):

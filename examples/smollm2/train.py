@@ -4,6 +4,10 @@
     python examples/smollm2/train.py drafter --arch eagle3    # and --arch eagle3.1: same data, steps and seed
     python examples/smollm2/train.py small-lm                 # the assisted-generation baseline, same data
     python examples/smollm2/train.py ship                     # tune each drafter's shape here, write bf16 + cards
+    python examples/smollm2/train.py evaluate --names eagle3 eagle31   # per-depth acceptance on held-out answers
+
+`drafter --name X --steps N --lk-eta 3` trains a variant into `--work/X` for a study of the losses;
+`evaluate` measures any of them on held-out conversations the target answered (`heldout_answers.jsonl`).
 
 All three read `distilled/` (examples/smollm2/distill.py) through one offline feature cache in
 `--work`, so the target runs once per sequence. The drafters differ only in the two 3.1 switches.
@@ -29,8 +33,10 @@ from hf_eagle31.model_cards.card import write_model_card
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
 from hf_eagle31.training import train_drafter
-from hf_eagle31.training.data import TrainingSequence, collate, fit_length
-from hf_eagle31.training.distill import load_distilled
+from hf_eagle31.training.data import Conversation, TrainingSequence, collate, fit_length
+from hf_eagle31.training.data import load_sequences, save_sequences
+from hf_eagle31.training.distill import DistillSettings, distill_conversations, load_distilled
+from hf_eagle31.training.evaluation import evaluate_acceptance
 from hf_eagle31.training.feature_cache import FeatureCache, build_feature_cache
 from hf_eagle31.training.trainer import drafter_config_for
 from hf_eagle31.tuning import tune_drafter
@@ -59,11 +65,40 @@ def features(target, work: Path) -> FeatureCache:
     return build_feature_cache(target, sequences(), layer_ids, work / "features", batch_size=8)
 
 
-def drafter(target, tokenizer, work: Path, arch: str) -> None:
-    out = work / ARCHITECTURES[arch]
+def drafter(target, tokenizer, work: Path, arch: str, name: str | None = None, **study) -> None:
+    """Train (or resume) one drafter; `study` overrides budget settings for a variant in `work/name`."""
+    out = work / (name or ARCHITECTURES[arch])
     resume = (out / "checkpoints").exists()
+    settings = BUDGET | {k: v for k, v in study.items() if v is not None}
+    if settings.get("steps") is not None:
+        settings.pop("epochs")
     train_drafter(target, records(sequences()), out, tokenizer, arch=arch, resume=resume,
-                  feature_cache=str(work / "features"), **BUDGET)
+                  feature_cache=str(work / "features"), **settings)
+
+
+HELDOUT_ANSWERS = HERE / "heldout_answers.jsonl"
+
+
+def heldout_answers(target, tokenizer, count: int = 48) -> list[TrainingSequence]:
+    """The target's greedy answers to the first turn of `count` held-out conversations (written once, committed)."""
+    if not HELDOUT_ANSWERS.exists():
+        lines = (HERE / "heldout_conversations.jsonl").read_text().splitlines()[:count]
+        asked = [Conversation(json.loads(line)["turns"][:1]) for line in lines]
+        answered, _ = distill_conversations(target, tokenizer, asked, DistillSettings(1024, 256, 1, 16))
+        save_sequences(answered, HELDOUT_ANSWERS)
+    return load_sequences(HELDOUT_ANSWERS)
+
+
+def evaluate(target, tokenizer, work: Path, names: list[str], depth: int = 8) -> None:
+    """Teacher-forced per-depth greedy acceptance on held-out answers: what a chain of `depth` accepts."""
+    held_out = heldout_answers(target, tokenizer)
+    for name in names:
+        model = Eagle3DraftModel.from_pretrained(work / name if (work / name).exists() else HERE / name,
+                                                 dtype=torch.float32)
+        report = evaluate_acceptance(model, target, held_out, depth=depth)
+        print(json.dumps({"drafter": name, "greedy_tau": round(1 + report.greedy_length, 3),
+                          "expected_tau": round(1 + report.expected_length, 3),
+                          "acceptance": [round(a, 3) for a in report.acceptance]}))
 
 
 def cut_target(target, layers: tuple[int, ...]):
@@ -144,8 +179,14 @@ def ship(target, tokenizer, work: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["features", "drafter", "small-lm", "ship"])
+    parser.add_argument("stage", choices=["features", "drafter", "small-lm", "ship", "evaluate"])
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="eagle3.1")
+    parser.add_argument("--name", help="drafter: train a study variant into --work/NAME")
+    parser.add_argument("--names", nargs="+", default=list(ARCHITECTURES.values()), help="evaluate: drafters")
+    parser.add_argument("--steps", type=int, help="drafter: optimizer steps instead of the budget's epochs")
+    parser.add_argument("--lk-eta", type=float, help="drafter: LK-lambda loss with this eta instead of KL")
+    parser.add_argument("--lr", type=float, help="drafter: peak learning rate")
+    parser.add_argument("--loss-decay", type=float, help="drafter: weight of unrolled step k is decay**k")
     parser.add_argument("--work", type=Path, default=Path("runs/smollm2"), help="caches and checkpoints")
     parser.add_argument("--threads", type=int, help="torch threads (1 each for two runs at once)")
     args = parser.parse_args()
@@ -157,7 +198,10 @@ def main() -> int:
     if args.stage == "features":
         features(target, args.work)
     elif args.stage == "drafter":
-        drafter(target, tokenizer, args.work, args.arch)
+        drafter(target, tokenizer, args.work, args.arch, args.name, steps=args.steps, lk_eta=args.lk_eta,
+                loss_decay=args.loss_decay, lr=args.lr)
+    elif args.stage == "evaluate":
+        evaluate(target, tokenizer, args.work, args.names)
     elif args.stage == "small-lm":
         small_lm(target, tokenizer, args.work)
     else:

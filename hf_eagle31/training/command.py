@@ -30,6 +30,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--epochs", type=int, help="epochs of stage 1")
     add("--acceptance-steps", type=int, default=0, help="optimizer steps of stage 2 (maximise expected accepted length)")
     add("--lr", type=float, default=defaults.lr)
+    add("--loss-decay", type=float, default=defaults.loss_decay, help="weight of unrolled step k: decay**k")
+    add("--lk-eta", type=float, help="train with the LK-lambda loss (KL blended into total variation, eta 3 in its "
+        "paper) instead of forward KL")
     add("--batch-size", type=int, default=defaults.batch_size)
     add("--grad-accum", type=int, default=defaults.grad_accum)
     add("--max-length", type=int, default=defaults.max_length, help="tokens per training sequence (longer ones are cut)")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
     names = {"arch", "draft_vocab_size", "ttt_steps", "steps", "epochs", "acceptance_steps", "lr", "batch_size",
              "grad_accum", "max_length", "answer_max_new_tokens", "answer_temperature", "mixed_precision",
              "save_every", "feature_cache", "resume", "seed", "max_turns", "distill_batch_size", "token_budget",
-             "tune_prompts"}
+             "tune_prompts", "loss_decay", "lk_eta"}
     config = TrainingConfig(**{name: getattr(args, name) for name in names})
     train_drafter(target, args.data, args.out, tokenizer=tokenizer, drafter=drafter, config=config)
     print(f"saved the drafter to {Path(args.out)}")

@@ -2,8 +2,10 @@
 
 By default features are computed online in each training step (no multi-GB dumps). With a cache
 the target's decoder runs once per sequence: the features at `target_layer_ids` and the final
-normed state (to which training applies the LM head) go to safetensors shards in a folder, with
-an `index.json` fingerprinting the sequences and layers they belong to.
+normed state (to which training applies the LM head) go to safetensors shards in a folder. Each
+shard holds a fixed run of consecutive sequences and is named by their fingerprint, so an
+interrupted build resumes at the first missing shard, and data that grows at the end (more
+distilled chunks) computes only the new shards. `index.json` lists the shards of the current data.
 """
 
 from __future__ import annotations
@@ -54,37 +56,41 @@ class FeatureCache(torch.utils.data.Dataset):
         return {name: handle.get_tensor(f"{key}.{name}") for name in ("input_ids", "loss_mask", "features", "last_hidden")}
 
 
-@torch.no_grad()
-def build_feature_cache(
-    target: PreTrainedModel, sequences: list[TrainingSequence], layer_ids: list[int], folder: str | Path,
-    batch_size: int = 8, shard_size: int = 256,
-) -> FeatureCache:
-    """Fill `folder` (or reuse it when it already holds these sequences' features)."""
-    folder = Path(folder)
-    key = fingerprint(sequences, layer_ids)
-    if (folder / INDEX).exists():
-        cache = FeatureCache(folder)
-        if cache.index.get("fingerprint") != key:
-            raise ValueError(f"feature cache {folder} was built for other data or target layers; "
-                             "point --feature-cache at an empty folder")
-        return cache
-    if folder.exists() and any(folder.iterdir()):
-        raise ValueError(f"feature cache folder {folder} is not empty and holds no {INDEX}")
-    folder.mkdir(parents=True, exist_ok=True)
-    shards, pending = {}, {}
-    for start in tqdm(range(0, len(sequences), batch_size), desc="feature cache", unit="batch"):
+def _shard(target: PreTrainedModel, sequences: list[TrainingSequence], layer_ids: list[int], path: Path,
+           batch_size: int, progress: tqdm) -> None:
+    tensors = {}
+    for start in range(0, len(sequences), batch_size):
         chunk = sequences[start : start + batch_size]
         batch = collate([s.as_tensors() for s in chunk])
         ids = batch["input_ids"].to(target.device)
         features, last = target_states(target, ids, batch["attention_mask"].to(target.device), layer_ids)
         for row, s in enumerate(chunk):
             n, name = len(s.input_ids), str(start + row)
-            pending.update({f"{name}.input_ids": batch["input_ids"][row, :n], f"{name}.loss_mask": batch["loss_mask"][row, :n],
+            tensors.update({f"{name}.input_ids": batch["input_ids"][row, :n], f"{name}.loss_mask": batch["loss_mask"][row, :n],
                             f"{name}.features": features[row, :n].cpu(), f"{name}.last_hidden": last[row, :n].cpu()})
-            if len(pending) >= 4 * shard_size or start + row == len(sequences) - 1:
-                shard = f"shard_{len(shards):05d}.safetensors"
-                save_file({k: v.contiguous() for k, v in pending.items()}, str(folder / shard))
-                shards[shard] = sorted({k.split(".")[0] for k in pending}, key=int)
-                pending = {}
-    (folder / INDEX).write_text(json.dumps({"fingerprint": key, "layer_ids": list(layer_ids), "shards": shards}))
+        progress.update(len(chunk))
+    scratch = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(scratch))
+    scratch.replace(path)  # a shard exists whole or not at all
+
+
+@torch.no_grad()
+def build_feature_cache(
+    target: PreTrainedModel, sequences: list[TrainingSequence], layer_ids: list[int], folder: str | Path,
+    batch_size: int = 8, shard_size: int = 64,
+) -> FeatureCache:
+    """Fill `folder` with the features of `sequences`, computing only the shards it does not hold yet."""
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()) and not (folder / INDEX).exists() and not any(folder.glob("shard_*")):
+        raise ValueError(f"feature cache folder {folder} is not empty and holds no feature cache")
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [sequences[i : i + shard_size] for i in range(0, len(sequences), shard_size)]
+    names = [f"shard_{n:05d}_{fingerprint(part, layer_ids)[:16]}.safetensors" for n, part in enumerate(parts)]
+    missing = [(name, part) for name, part in zip(names, parts) if not (folder / name).exists()]
+    with tqdm(total=sum(len(part) for _, part in missing), desc="feature cache", unit="seq") as progress:
+        for name, part in missing:
+            _shard(target, part, layer_ids, folder / name, batch_size, progress)
+    shards = {name: [str(i) for i in range(len(part))] for name, part in zip(names, parts)}
+    index = {"fingerprint": fingerprint(sequences, layer_ids), "layer_ids": list(layer_ids), "shards": shards}
+    (folder / INDEX).write_text(json.dumps(index))
     return FeatureCache(folder)

@@ -28,9 +28,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def distillation_losses(
-    step_logits: tuple[torch.Tensor, ...], target_draft_logits: torch.Tensor, loss_mask: torch.Tensor
+    step_logits: tuple[torch.Tensor, ...], target_draft_logits: torch.Tensor, loss_mask: torch.Tensor,
+    lk_eta: float | None = None,
 ) -> torch.Tensor:
-    """Forward KL(target || drafter) per step, `[K]`.
+    """Forward KL(target || drafter) per step, `[K]`; with `lk_eta`, the LK-lambda loss instead.
+
+    LK-lambda (Samarin et al., arXiv 2602.23881) blends KL with the total variation TV = 1 - alpha
+    per position, lambda * KL + (1 - lambda) * TV with lambda = exp(-lk_eta * alpha) (alpha not
+    differentiated): KL's strong gradient while the drafter is far off, then acceptance itself,
+    which a small drafter cannot reach through KL alone once it must spend its capacity somewhere.
 
     `step_logits[k]` `[count_k, V_d]` are step k's logits where its prediction counts
     (`step_mask(loss_mask, k, T)`, as `unroll(..., loss_mask)` returns them: prompt and padding
@@ -46,8 +52,13 @@ def distillation_losses(
         keep = step_mask(loss_mask, step, length).to(logits.device)
         log_p = ahead(log_p_all, step + 1, length).to(logits.device)[keep]
         log_q = torch.log_softmax(logits.float(), dim=-1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-        losses.append(kl.sum() / max(kl.shape[0], 1))
+        p = log_p.exp()
+        loss = (p * (log_p - log_q)).sum(-1)
+        if lk_eta is not None:
+            alpha = torch.minimum(p, log_q.exp()).sum(-1)
+            blend = torch.exp(-lk_eta * alpha.detach())
+            loss = blend * loss + (1 - blend) * (1 - alpha)
+        losses.append(loss.sum() / max(loss.shape[0], 1))
     return torch.stack(losses)
 
 

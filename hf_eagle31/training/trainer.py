@@ -72,6 +72,7 @@ class TrainingConfig:
     tune_prompts: int = 8  # sequences held out of training to tune the draft shape on at the end (0: no tuning)
     acceptance_steps: int = 0  # stage-2 optimizer steps
     loss_decay: float = 0.8
+    lk_eta: float | None = None  # the LK-lambda loss (losses.distillation_losses) with this eta; None: forward KL
     warmup_steps: int | None = None  # None: 10% of stage 1, at most 100
     save_every: int = 500
     mixed_precision: str = "no"
@@ -94,6 +95,8 @@ class TrainingConfig:
             raise ValueError(f"max_length must be at least 3 tokens, got {self.max_length}")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget must be a positive number of answer tokens, got {self.token_budget}")
+        if self.lk_eta is not None and self.lk_eta < 0:
+            raise ValueError(f"lk_eta cannot be negative, got {self.lk_eta}")
         if self.tune_prompts < 0:
             raise ValueError(f"tune_prompts cannot be negative, got {self.tune_prompts}")
 
@@ -268,7 +271,7 @@ def training_step(model, drafter: Eagle3DraftModel, target: PreTrainedModel, bat
         row.update({f"alpha_{k}": a for k, a in enumerate(alpha.detach().tolist())})
     else:
         restricted = target_logits(target, last, draft_ids)
-        kl = distillation_losses(steps, restricted, mask)
+        kl = distillation_losses(steps, restricted, mask, config.lk_eta)
         loss = (kl * config.loss_decay ** torch.arange(len(steps), device=kl.device)).sum()
         row.update({f"kl_{k}": v for k, v in enumerate(kl.detach().tolist())})
     target_tokens = restricted.argmax(-1)
