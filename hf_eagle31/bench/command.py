@@ -57,6 +57,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
     add("--project", nargs="+", metavar="SHAPE", help="also project speedups to real model shapes "
         "(Llama-3.1-8B, Qwen2.5-7B) from costs measured here and this run's EAGLE 3.1 acceptance")
+    add("--part-size", type=int, help="run each dataset in parts of this many prompts (every method on a part, "
+        "then the next part), saving each part's results as it ends (default: the whole dataset at once)")
+    add("--resume", action="store_true", help="reuse the parts and the tuning an interrupted run with the same "
+        "settings saved in --out, and run only what is missing")
     add("--out", default="runs/bench")
 
 
@@ -130,11 +134,64 @@ def machine(device: str) -> str:
     return f"{model}, {torch.get_num_threads()} threads (CPU)"
 
 
-def tune(target, drafter, prompts, max_new_tokens) -> dict:
-    """Calibrate on a few prompts, then choose the draft shape for this device (see `hf_eagle31.tuning`)."""
-    from hf_eagle31.tuning import tune_drafter
+def tune(target, drafters: dict, prompts, max_new_tokens, out: Path, resume: bool) -> dict:
+    """Calibrate on a few prompts, then choose each drafter's shape for this device (see `hf_eagle31.tuning`);
+    a resumed run applies the shapes its first run chose, so every part uses the same ones."""
+    from hf_eagle31.tuning import apply_choice, tune_drafter
 
-    return tune_drafter(target, drafter, prompts, max_new_tokens).as_dict()
+    saved = out / "tuning.json"
+    if resume and saved.exists():
+        tuning = json.loads(saved.read_text())
+        for name, drafter in drafters.items():
+            apply_choice(drafter, tuning[name])
+        return tuning
+    tuning = {name: tune_drafter(target, d, prompts, max_new_tokens).as_dict() for name, d in drafters.items()}
+    saved.write_text(json.dumps(tuning, default=str))
+    return json.loads(saved.read_text())  # as a resumed run will read it
+
+
+def run_in_parts(target, measured: dict[str, list[torch.Tensor]], methods, args) -> dict:
+    """Every method on each part of each dataset, parts taken in turn across datasets (an interrupted run has
+    covered all of them evenly); each part's results are saved as it ends. Speedups are summed times, every
+    part's methods having run in one process."""
+    from dataclasses import asdict
+
+    from hf_eagle31.bench.runner import MethodResult, combine, run_all
+
+    folder = Path(args.out) / "parts"
+    size = args.part_size or max(len(prompts) for prompts in measured.values())
+    parts = {name: [prompts[i : i + size] for i in range(0, len(prompts), size)] for name, prompts in measured.items()}
+    done: dict[str, list] = {name: [] for name in parts}
+    for index in range(max(len(p) for p in parts.values())):
+        for name, chunks in parts.items():
+            if index >= len(chunks):
+                continue
+            path = folder / f"{name}_{index:03d}.json"
+            if path.exists():
+                results = [MethodResult(**r) for r in json.loads(path.read_text())]
+            else:
+                results = run_all(target, chunks[index], methods, args.max_new_tokens, temperature=args.temperature)
+                path.with_suffix(".tmp").write_text(json.dumps([asdict(r) for r in results]))
+                path.with_suffix(".tmp").replace(path)
+            done[name].append(results)
+    return {name: (combine(runs), len(measured[name])) for name, runs in done.items()}
+
+
+def prepare_out(args: argparse.Namespace, meta: dict) -> Path:
+    """The output folder: a fresh run starts it empty of parts; --resume only where the settings are the same."""
+    out = Path(args.out)
+    (out / "parts").mkdir(parents=True, exist_ok=True)
+    settings = out / "settings.json"
+    mine = {"command": command_line(args, skip=("resume",)), "prompts": meta["prompts"]}
+    if args.resume:
+        if settings.exists() and json.loads(settings.read_text()) != mine:
+            raise ValueError(f"{out} holds a run with other settings ({json.loads(settings.read_text())['command']}); "
+                             "resume with the same settings or choose another --out")
+    else:
+        for stale in [*(out / "parts").glob("*.json"), out / "tuning.json"]:
+            stale.unlink(missing_ok=True)
+    settings.write_text(json.dumps(mine, indent=1) + "\n")
+    return out
 
 
 def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False):
@@ -162,6 +219,7 @@ def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
     ranks = tuning.get("EAGLE 3.1", next(iter(tuning.values()), {})).get("calibration_ranks")
     if not ranks:
         raise ValueError("--project needs the EAGLE 3.1 acceptance measured by tuning (drop --no-tune)")
+    ranks = {int(k): v for k, v in ranks.items()}  # top-k keys, strings once the tuning went through JSON
     unknown = set(args.project) - set(REAL_SHAPES)
     if unknown:
         raise ValueError(f"unknown shapes {sorted(unknown)}; known: {sorted(REAL_SHAPES)}")
@@ -172,12 +230,12 @@ def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
     }
 
 
-def command_line(args: argparse.Namespace) -> str:
+def command_line(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> str:
     """The run's every setting as a command that repeats it (flags only when set)."""
     words = ["hf-eagle31", "bench"]
     for key, value in vars(args).items():
         flag = "--" + key.replace("_", "-")
-        if key == "command" or value is None or value is False:
+        if key == "command" or key in skip or value is None or value is False:
             continue
         if value is True:
             words.append(flag)
@@ -194,7 +252,7 @@ def uses_chat_template(tokenizer, args) -> bool:
 def run(args: argparse.Namespace) -> int:
     from hf_eagle31.bench.drift import prompt_encoders, run_drift_study
     from hf_eagle31.bench.report import dataset_table, headline, markdown_table, tuning_table, write_results
-    from hf_eagle31.bench.runner import combine, run_all
+    from hf_eagle31.bench.runner import combine
 
     resolve_pair(args)
     datasets = {Path(path).stem: read_texts(path) for path in args.prompts}
@@ -221,11 +279,10 @@ def run(args: argparse.Namespace) -> int:
         measured[name] = [encode(t) for t in chosen]
         calibration += [encode(t) for t in others]
     meta["prompts"] = {name: len(p) for name, p in measured.items()}
-    tuning = {} if args.no_tune else {name: tune(target, d, calibration, args.max_new_tokens)
-                                      for name, d in drafters.items()}
+    out = prepare_out(args, meta)
+    tuning = {} if args.no_tune else tune(target, drafters, calibration, args.max_new_tokens, out, args.resume)
     methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes)
-    per_dataset = {name: (run_all(target, p, methods, args.max_new_tokens, temperature=args.temperature), len(p))
-                   for name, p in measured.items()}
+    per_dataset = run_in_parts(target, measured, methods, args)
     results = combine([r for r, _ in per_dataset.values()])
     prompts = sum(n for _, n in per_dataset.values())
     if args.project:
