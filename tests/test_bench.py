@@ -215,3 +215,25 @@ def test_bench_resumes_a_run_part_by_part(tmp_path, capsys, monkeypatch):
     assert count(again) == count(first)
     assert cli_main(argv[:-2] + ["--max-new-tokens", "7", "--out", str(out), "--resume"]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_chat_contexts_take_the_longest_opening_that_fits():
+    """Each prompt is a conversation cut after a user turn, the longest one within the length; conversations
+    with nothing between half the length and the length give none."""
+    from tiny_models import make_tokenizer
+
+    from hf_eagle31.bench.drift import chat_contexts
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}</s>{% endif %}")
+    user, assistant = (lambda text: {"role": "user", "content": text}), (lambda text: {"role": "assistant", "content": text})
+    fits = [user("a" * 4), assistant("b" * 6), user("c" * 5), assistant("d" * 9), user("e" * 9)]
+    too_long = [user("z" * 30)]  # z merges with nothing: 30 tokens
+    too_short = [user("y"), assistant("z" * 40), user("y")]
+    rendered = lambda messages: tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),  # noqa: E731
+                                          add_special_tokens=False)["input_ids"]
+    lengths = [len(rendered(fits[: end + 1])) for end in (0, 2, 4)]
+    assert lengths[1] <= 20 < lengths[2] and lengths[1] > 10  # the second user turn is the last that fits in 20
+    prompts = chat_contexts(tokenizer, [too_long, fits, too_short], 20)
+    assert prompts == [rendered(fits[:3])]

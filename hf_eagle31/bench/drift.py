@@ -70,6 +70,28 @@ def long_texts(tokenizer, texts: list[str], length: int, count: int = 8) -> list
     return [tokenizer.decode(ids[start : start + length]) for start in starts]
 
 
+def chat_contexts(tokenizer, conversations: list[list[dict]], length: int, count: int = 8) -> list[list[int]]:
+    """Up to `count` multi-turn chat prompts of more than half of `length` tokens and at most `length`: the
+    longest opening of each conversation (its own answers included) that ends on a user turn, rendered
+    through the chat template, as a chat application sends a long conversation."""
+    from hf_eagle31.training.data import render
+
+    prompts = []
+    for messages in conversations:
+        longest = None
+        for end, message in enumerate(messages):
+            if message["role"] == "user":
+                ids = render(tokenizer, messages[: end + 1])
+                if len(ids) > length:
+                    break
+                longest = ids
+        if longest is not None and len(longest) > length // 2:
+            prompts.append(longest)
+        if len(prompts) == count:
+            break
+    return prompts
+
+
 @contextmanager
 def attention_probe(records: list[torch.Tensor]):
     """Record, for each drafter attention call, the attention weights' mass on the first SINK_TOKENS keys."""
@@ -110,10 +132,12 @@ def mechanism(drafter, target, sequences: list[TrainingSequence]) -> dict:
     return {"sink_attention": (sink / count).tolist(), "feedback_norm": (norms / count).tolist()}
 
 
-def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args, documents: list[str] | None = None,
-                    meta: dict | None = None, chat: bool = False) -> int:
-    """`texts` are prompts (through the chat template when `chat`); context-length prompts are raw windows cut
-    from `documents` (long held-out texts), or from `texts`.
+def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args,
+                    documents: list[str] | list[list[dict]] | None = None, meta: dict | None = None,
+                    chat: bool = False) -> int:
+    """`texts` are prompts (through the chat template when `chat`). Context-length prompts are multi-turn
+    conversations when `documents` are message lists and the target chats, else raw windows cut from
+    `documents` (long held-out texts) or from `texts`.
 
     drift.json holds `meta` (command, date, machine) beside the per-drafter results under "drafters".
     """
@@ -122,9 +146,13 @@ def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args, d
     templated = continuations(target, perturbed, texts, args.max_new_tokens)
     max_context = min(MAX_CONTEXT, target.config.max_position_embeddings - 2 * CONTINUATION)  # room to continue
     lengths = [n for n in (32, 64, 128, 256, 512, 1024) if n < max_context] + [max_context]
-    raw = lambda text: tokenizer(text).input_ids  # noqa: E731
-    by_length = {n: continuations(target, raw, long_texts(tokenizer, documents or texts, n), CONTINUATION)
-                 for n in lengths}
+    if chat and documents and isinstance(documents[0], list):
+        contexts = lambda n: chat_contexts(tokenizer, documents, n)  # noqa: E731
+        encode_context = lambda ids: ids  # noqa: E731
+    else:
+        contexts = lambda n: long_texts(tokenizer, documents or texts, n)  # noqa: E731
+        encode_context = lambda text: tokenizer(text).input_ids  # noqa: E731
+    by_length = {n: continuations(target, encode_context, contexts(n), CONTINUATION) for n in lengths}
     by_length = {n: seqs for n, seqs in by_length.items() if seqs}
     results = {}
     for name, drafter in drafters.items():
