@@ -45,9 +45,11 @@ The project's own layout is a transformers checkpoint with `model_type: "eagle3_
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hf_eagle31.configuration import MODEL_TYPE, Eagle3Config, default_target_layer_ids
@@ -88,33 +90,65 @@ def checkpoint_folder(path: str | Path, **hub_kwargs) -> Path:
     return Path(snapshot_download(str(path), allow_patterns=patterns, **hub_kwargs))
 
 
+def read_json(file: Path) -> dict:
+    """A JSON object; a truncated or foreign file is named, not a decoder error."""
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}): the download may be incomplete; fetch it "
+                              "again") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def read_config(folder: Path) -> dict:
     file = folder / "config.json"
     if not file.is_file():
         raise MissingCheckpointError(f"no config.json in {folder}: not a drafter checkpoint")
-    return json.loads(file.read_text())
+    return read_json(file)
 
 
 def has_safetensors(folder: Path) -> bool:
     return (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
 
 
+def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a truncated, empty or foreign file is named, not a header error."""
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({err}): the download may be "
+                              "incomplete or corrupt; fetch it again") from None
+
+
 def read_weights(folder: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """safetensors (one file or an index of shards); `pytorch_model.bin` only when `allow_pickle`."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
+        return load_safetensors(single)
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(folder / shard).items()}
+        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
+        return {k: v for shard in shards for k, v in load_safetensors(folder / shard).items()}
     if (folder / "pytorch_model.bin").is_file():
         if not allow_pickle:
             raise CheckpointError(
                 f"{folder} holds only pytorch_model.bin, a pickle that can run code when loaded; pass "
                 "allow_pickle=True (--allow-pickle) if you trust it, or convert it to safetensors."
             )
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return load_pickle(folder / "pytorch_model.bin")
     raise MissingCheckpointError(f"no weights in {folder} (model.safetensors, its index, or pytorch_model.bin)")
+
+
+def load_pickle(file: Path) -> dict[str, torch.Tensor]:
+    """A `pytorch_model.bin` of plain tensors; torch refuses anything else (`weights_only`), and so do we, by name."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError):
+        raise CheckpointError(
+            f"{file} is not a pickle of plain tensors that torch {torch.__version__} can load safely: it is corrupt "
+            "or holds other Python objects; where it was written, save its tensors as model.safetensors"
+        ) from None
 
 
 # --- detection and reading -------------------------------------------------------------------
@@ -201,10 +235,16 @@ def read_checkpoint(path: str | Path, allow_pickle: bool = False) -> tuple[Eagle
     """A checkpoint in any supported layout -> (our config, a state dict in our key names, the layout)."""
     folder = checkpoint_folder(path)
     config = read_config(folder)
+    if config.get("model_type") == MODEL_TYPE:  # a transformers checkpoint, always in safetensors
+        if not has_safetensors(folder):
+            raise MissingCheckpointError(f"no model.safetensors in {folder}: the drafter's weights are missing")
+        try:
+            ours = Eagle3Config.from_dict(config)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{folder / 'config.json'} does not describe a valid drafter: {err}") from None
+        return ours, read_weights(folder), "hf_eagle31"
     weights = read_weights(folder, allow_pickle)
     layout = detect_layout(config, set(weights))
-    if layout == "hf_eagle31":
-        return Eagle3Config.from_dict(config), weights, layout
     state = rename_keys(layout, weights)
     ours = to_config(layout, config, set(state))
     if "d2t" not in state and "t2d" not in state and ours.draft_vocab_size == ours.vocab_size:
@@ -232,7 +272,8 @@ def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.T
     if wrong:
         shapes = ", ".join(f"{k} has shape {got} but the config implies {want}" for k, (got, want) in wrong.items())
         raise CheckpointError(
-            f"{source}: {shapes} (hidden size, vocabulary size, draft vocabulary size or attention heads disagree)"
+            f"{source}: {shapes} (the config's hidden, intermediate, vocabulary, draft vocabulary or attention "
+            "head sizes disagree with the weights)"
         )
 
 

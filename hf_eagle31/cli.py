@@ -17,8 +17,15 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line with exit code 2, like every other bad input (argparse prints the whole usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-eagle31", description=__doc__)
+    parser = Parser(prog="hf-eagle31", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
@@ -27,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[args.command])
     try:
         return int(module.run(args) or 0)
-    except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no stack trace
-        print(f"hf-eagle31 {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # bad input, or a model transformers cannot load: one line, no stack trace
+        print(f"hf-eagle31 {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,28 +46,30 @@ from hf_eagle31.verification import (
 
 POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k": 64, "tree_total_tokens": 1024,
                      "max_speculation_depth": 64, "verify_chunk_depth": 64}  # name -> largest value accepted
+CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES}
+SWITCHES = ("dynamic_speculation", "collapse_fallback")
 
 
 def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
     """A speculation setting from the drafter's generation config (the default when unset), checked when read:
     a misspelt mode or an impossible size is named here, not met as a wrong mode or a torch error later."""
-    value = getattr(getattr(drafter, "generation_config", None), name, None)
-    if value is None:
+    config = drafter.generation_config
+    value = getattr(config, name, None)
+    if value is None and not (name in CHOICES and name in vars(config)):  # unset (a mode set to None is an error)
         return SPECULATION_DEFAULTS[name]
-    if name == "speculation_mode" and value not in ("chain", "tree"):
-        raise ValueError(f"speculation_mode must be 'chain' or 'tree', got {value!r}")
+    if name in CHOICES and value not in CHOICES[name]:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, CHOICES[name]))}, got {value!r}")
     if name in POSITIVE_SETTINGS and (isinstance(value, bool) or not isinstance(value, int)
                                       or not 1 <= value <= POSITIVE_SETTINGS[name]):
         raise ValueError(f"{name} must be an integer from 1 to {POSITIVE_SETTINGS[name]}, got {value!r}")
+    if name in SWITCHES and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 
 def verify_mode(drafter: Eagle3DraftModel) -> str:
     """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`)."""
-    mode = speculation_setting(drafter, "verify_mode")
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {mode!r}")
-    return mode
+    return speculation_setting(drafter, "verify_mode")
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
@@ -89,8 +93,26 @@ def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
         raise ValueError(
             f"target_layer_ids {dc.target_layer_ids} are out of range for the target {name} with {layers} layers."
         )
-    if drafter.get_input_embeddings() is not target.get_input_embeddings():
-        drafter.set_target_embedding(target.get_input_embeddings())
+    embedding = target.get_input_embeddings()
+    if drafter.fc.weight.device != embedding.weight.device:
+        raise ValueError(f"the drafter is on {drafter.fc.weight.device} but the target's embedding is on "
+                         f"{embedding.weight.device}: move it with drafter.to({str(embedding.weight.device)!r})")
+    if drafter.get_input_embeddings() is not embedding:
+        drafter.set_target_embedding(embedding)
+
+
+def key_padding(model_kwargs: dict) -> torch.Tensor | None:
+    """The prompt's attention mask as `[length]` bool (False for a pad), or None when nothing is padded."""
+    mask = model_kwargs.get("attention_mask")
+    return None if mask is None or bool(mask.all()) else mask[0].bool()
+
+
+def without_padding(features: torch.Tensor, next_tokens: torch.Tensor, padding: torch.Tensor | None):
+    """The last `features.shape[1]` prompt positions that are real tokens (a pad's feature is nothing to draft from)."""
+    if padding is None:
+        return features, next_tokens
+    real = padding[-features.shape[1] :]
+    return features[:, real.to(features.device)], next_tokens[:, real.to(next_tokens.device)]
 
 
 def _draft_sampler(drafter: Eagle3DraftModel, do_sample: bool, temperature: float):
@@ -144,6 +166,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.stats = SpeculationStats(mode="chain")
         drafter.speculation_stats = self.stats
         self.prefilled = False
+        self.key_padding: torch.Tensor | None = None
         self.proposed = 0
         self.step_started = 0.0
         self.draft_seconds = 0.0
@@ -152,12 +175,15 @@ class EagleCandidateGenerator(CandidateGenerator):
                        n_last_matches=0, **kwargs):
         self.model_kwargs_overrides["eagle_verify_plan"] = None
         if is_first_iteration:  # transformers' loop prefills first; we draft from its hidden states
+            self.key_padding = key_padding(model_kwargs)
             self.proposed = -1
             return input_ids, None
         features = select_features(model_outputs.hidden_states, self.layer_ids)
-        new = n_last_matches + 1 if self.prefilled else features.shape[1]
-        self.prefilled = True
-        self.state.push(features[:, :new], input_ids[:, -new:])
+        if self.prefilled:
+            self.state.push(features[:, : n_last_matches + 1], input_ids[:, -n_last_matches - 1 :])
+        else:
+            self.state.push(*without_padding(features, input_ids[:, -features.shape[1] :], self.key_padding))
+            self.prefilled = True
         self.step_started = time.perf_counter()
         steps = min(self.controller.length, self.max_length - input_ids.shape[1] - 1)
         if steps <= 0 or not self.monitor.should_speculate():
@@ -171,7 +197,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.draft_seconds = time.perf_counter() - self.step_started
         if not self.proposed:  # the first draft token would stop: a plain step (no empty `[1, 0, V]` logits)
             return input_ids, None
-        self.model_kwargs_overrides["eagle_verify_plan"] = VerifyPlan.causal(self.proposed + 1, input_ids.device, self.mode)
+        plan = VerifyPlan.causal(self.proposed + 1, input_ids.device, self.mode, self.key_padding)
+        self.model_kwargs_overrides["eagle_verify_plan"] = plan
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), logits
 
     def _cut_before_stop(self, input_ids, tokens, logits):
@@ -234,27 +261,51 @@ def _length_controller(drafter: Eagle3DraftModel, start: int) -> LengthControlle
     return LengthController(low=1, high=max(start, speculation_setting(drafter, "max_speculation_depth")), value=start)
 
 
+@dataclass
+class _Verifying:
+    """What EAGLE switched on in one target for its calls in flight (see `eagle_verification`)."""
+
+    previous: str  # the attention implementation to restore
+    hooks: list
+    calls: int = 0
+
+
+_VERIFYING: dict[int, _Verifying] = {}  # id(target) -> its switches, while at least one call runs
+_VERIFYING_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def eagle_verification(target: PreTrainedModel):
-    """While EAGLE decodes: the `eagle_tree` attention function and the "exact" mode hooks (see verification.py)."""
-    previous = target.config._attn_implementation
-    target.set_attn_implementation(ATTENTION_NAME)
-    hooks = exact_mode_hooks(target)
+    """While EAGLE decodes: the `eagle_tree` attention function and the "exact" mode hooks (see verification.py).
+
+    They belong to the target, so calls running at once in several threads share them: the first
+    call switches them on and the last switches them off (a call restoring the previous attention
+    while another still verifies would give that one wrong output, or leave `eagle_tree` behind).
+    Everything else a call needs lives in the call. `eagle_tree` is transformers' SDPA for any
+    forward without a verify plan, so plain calls running meanwhile compute as under SDPA.
+    """
+    with _VERIFYING_LOCK:
+        verifying = _VERIFYING.get(id(target))
+        if verifying is None:
+            previous = target.config._attn_implementation
+            target.set_attn_implementation(ATTENTION_NAME)
+            verifying = _VERIFYING[id(target)] = _Verifying(previous, exact_mode_hooks(target))
+        verifying.calls += 1
     try:
         yield
     finally:
-        for hook in hooks:
-            hook.remove()
-        leave_exact_mode(target)  # torch runs the leaving hook on Exception only: Ctrl-C must not leave it on
-        target.set_attn_implementation(previous)
+        leave_exact_mode()  # torch runs the leaving hook on Exception only: Ctrl-C must not leave it on
+        with _VERIFYING_LOCK:
+            verifying.calls -= 1
+            if not verifying.calls:
+                del _VERIFYING[id(target)]
+                for hook in verifying.hooks:
+                    hook.remove()
+                target.set_attn_implementation(verifying.previous)
 
 
 def check_inputs(generation_config, model_kwargs) -> None:
     """Refuse, by name and before any work, what EAGLE decoding cannot do exactly."""
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("EAGLE decoding does not support padded inputs (the attention mask has zeros): pass the "
-                         "prompt without padding (batch size 1)")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("EAGLE decoding cannot return attentions or hidden states (output_attentions / "
                          "output_hidden_states); generate without the drafter for those")
@@ -318,16 +369,21 @@ def eagle_tree_decoding(
         return int(token), stop
 
     start = cache.get_seq_length()
-    prompt = input_ids[:, start:]
+    padding = key_padding(model_kwargs)
+    masking = {}
+    if padding is not None:  # as plain generate does: the mask, and positions that count real tokens only
+        positions = (padding.long().cumsum(-1) - 1).masked_fill(~padding, 0)
+        masking = {"attention_mask": model_kwargs["attention_mask"], "position_ids": positions[None, start:]}
     out = model(
-        input_ids=prompt,
+        input_ids=input_ids[:, start:],
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=capture_request(layer_ids),
         logits_to_keep=1,
+        **masking,
     )
     token, stop = emit(0, out.logits[0, -1].float())
-    state.push(select_features(out.hidden_states, layer_ids), sequence[0][:, start + 1 :])
+    state.push(*without_padding(select_features(out.hidden_states, layer_ids), sequence[0][:, start + 1 :], padding))
     streamed = input_ids.shape[1]
     if streamer is not None:
         streamer.put(sequence[0][:, streamed:].cpu())
@@ -341,7 +397,7 @@ def eagle_tree_decoding(
         else:
             tree = DraftTree.root_only(root)
         drafted = time.perf_counter()
-        result = verify_tree(model, cache, tree, layer_ids, emit, state.push, chunk_depth, mode)
+        result = verify_tree(model, cache, tree, layer_ids, emit, state.push, chunk_depth, mode, padding)
         stop = result.stopped
         done = time.perf_counter()
         if speculate:

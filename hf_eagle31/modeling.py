@@ -153,27 +153,22 @@ class Eagle3DraftModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_pickle: bool = False, **kwargs):
         """Load a drafter in any layout: this project's, the EAGLE reference's, SpecForge's or speculators'.
 
-        This project's own checkpoints go through transformers unchanged. Other layouts are detected from
-        their config and keys and converted on the fly (`hf_eagle31.conversion.layouts`), checked key by
-        key and shape by shape, then built by transformers from that state dict, so `dtype` and
-        `device_map` mean what they mean for any model. `pytorch_model.bin` files are read only with
-        `allow_pickle=True`.
+        The layout is detected from the config and keys and read into this project's key names
+        (`hf_eagle31.conversion.layouts`), checked key by key and shape by shape (this project's own
+        layout as strictly as the others: a missing or renamed tensor is an error, not a random
+        one), then built by transformers from that state dict, so `dtype` and `device_map` mean what
+        they mean for any model. `pytorch_model.bin` files are read only with `allow_pickle=True`.
         """
         from hf_eagle31.conversion import layouts
 
-        hub_kwargs = {k: kwargs[k] for k in layouts.HUB_KWARGS if k in kwargs}
+        hub_kwargs = {k: kwargs.pop(k) for k in layouts.HUB_KWARGS if k in kwargs}
         folder = layouts.checkpoint_folder(pretrained_model_name_or_path, **hub_kwargs)
-        if layouts.read_config(folder).get("model_type") == cls.config_class.model_type:
-            if not layouts.has_safetensors(folder):
-                raise layouts.MissingCheckpointError(f"no model.safetensors in {folder}: the drafter's weights are missing")
-            model = super().from_pretrained(folder, *args, **kwargs)
-        else:
-            config, state, layout = layouts.read_checkpoint(folder, allow_pickle)
-            with torch.device("meta"):
-                expected = cls(config).state_dict()
-            layouts.check_state_dict(expected, state, f"{pretrained_model_name_or_path} ({layout} layout)")
-            kwargs = {k: v for k, v in kwargs.items() if k not in hub_kwargs}
-            model = super().from_pretrained(None, *args, config=config, state_dict=state, **kwargs)
+        config, state, layout = layouts.read_checkpoint(folder, allow_pickle)
+        config = kwargs.pop("config", None) or config  # AutoModel passes the config it read
+        with torch.device("meta"):
+            expected = cls(config).state_dict()
+        layouts.check_state_dict(expected, state, f"{pretrained_model_name_or_path} ({layout} layout)")
+        model = super().from_pretrained(None, *args, config=config, state_dict=state, **kwargs)
         try:
             saved = GenerationConfig.from_pretrained(folder).to_diff_dict()
         except OSError:  # no generation_config.json: the defaults

@@ -15,12 +15,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from hf_eagle31.folders import replace_folder
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,10 @@ def _convert(spec: PackagedModel, folder: Path) -> None:
     model.load_state_dict(loaded.state_dict(), assign=True, strict=True)
     model.tie_weights()
     model.generation_config = loaded.generation_config
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+    with replace_folder(folder, overwrite=True) as scratch:  # complete or absent: never a half folder
         model.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         (scratch / "SOURCE").write_text(f"converted from {gguf.name} ({spec.pip})\n")
-        scratch.rename(folder)  # complete or absent: an interrupted conversion leaves no half folder
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def packaged_model_path(name: str) -> Path:
@@ -111,8 +107,19 @@ def packaged_model_path(name: str) -> Path:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """A packaged model's name becomes its cached folder; anything else (a folder, a Hub id) is kept."""
-    return str(packaged_model_path(name_or_path)) if name_or_path in PACKAGED else name_or_path
+    """A target given as a packaged model's name becomes its cached folder; a folder or a Hub id is kept; anything
+    else (a mistyped path) is named here, not met as a Hub error from transformers."""
+    if name_or_path in PACKAGED:
+        return str(packaged_model_path(name_or_path))
+    if not Path(name_or_path).exists():
+        try:
+            validate_repo_id(name_or_path)
+        except HFValidationError:
+            raise FileNotFoundError(
+                f"cannot load the target model {name_or_path}: there is no such folder, and it is neither a Hub "
+                f"repository id nor a packaged model ({', '.join(PACKAGED)})"
+            ) from None
+    return name_or_path
 
 
 def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

@@ -62,7 +62,10 @@ def parse_memory(text: str) -> int:
     unit = match and match.group(2).lower()
     if not match or unit not in _UNITS:
         raise ValueError(f"cannot read GPU memory {text!r}: write e.g. 24GiB, 24GB or 23034MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"GPU memory {text!r} is no memory at all: give the card's size, e.g. 24GiB")
+    return size
 
 
 def gpu_memory(gpu: str) -> tuple[str, int]:
@@ -389,7 +392,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     gpu_name, gpu_bytes = gpu_memory(args.gpu) if args.gpu else (None, None)
-    if args.gpu_mem:
+    if args.gpu_mem is not None:  # '' is a mistake to name, not "no card given"
         gpu_name, gpu_bytes = args.gpu_mem, parse_memory(args.gpu_mem)
     planner = Planner(args.target, args.dtype, args.draft_vocab_size, eagle31=not args.eagle3)
     plan = planner.plan(args.quant, args.context, args.tree_tokens, gpu_bytes, gpu_name)

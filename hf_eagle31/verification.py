@@ -12,14 +12,16 @@ distributed exactly as the target's, and each step accepts a child with probabil
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_eagle31.drafting import DraftTree, truncate_cache
 from hf_eagle31.features import capture_request, select_features
@@ -29,88 +31,103 @@ ATTENTION_NAME = "eagle_tree"
 VERIFY_MODES = ("batched", "kernel", "exact")
 
 
+@functools.lru_cache(maxsize=64)
+def _causal_mask(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()  # read only: shared by every call
+
+
 @dataclass
 class VerifyPlan:
-    """How one verify forward computes the block's attention: its `[n, n]` ancestor mask and the mode.
+    """How one verify forward computes the block's attention: its `[n, n]` ancestor mask, the mode, the padding.
 
-    Keys before the block are visible to every block token. The modes (`verify_mode` in the
-    drafter's generation config):
+    Keys before the block are visible to every block token, except the padding: `key_padding`
+    (`[m]` bool, False for a pad) covers the first `m` keys (the prompt), the later ones are real.
+    The modes (`verify_mode` in the drafter's generation config):
       * "batched": one SDPA call over the block with the tree mask, like every serving engine;
-      * "kernel": the Triton tree-attention kernel (CUDA; "batched" elsewhere);
+      * "kernel": the Triton tree-attention kernel (CUDA, unpadded; "batched" otherwise);
       * "exact": every block token computed the way a one-token decode step computes it, so the
         logits are bit-identical to plain decoding on any device (see `decode_equivalent_attention`
         and `RowByRowLinear`).
+    A plan belongs to one forward of one call: nothing in it is shared between calls.
     """
 
     mask: torch.Tensor
     mode: str = "batched"
-    _full_mask: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
+    key_padding: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in VERIFY_MODES:
             raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.mode!r}")
 
     @classmethod
-    @functools.lru_cache(maxsize=64)
-    def causal(cls, n: int, device: torch.device, mode: str = "batched") -> "VerifyPlan":
-        return cls(torch.ones(n, n, dtype=torch.bool, device=device).tril(), mode)
+    def causal(cls, n: int, device: torch.device, mode: str = "batched",
+               key_padding: torch.Tensor | None = None) -> "VerifyPlan":
+        return cls(_causal_mask(n, device), mode, key_padding)
 
     def attention_mask(self, total: int) -> torch.Tensor:
-        """`[1, 1, n, total]` bool: the whole prefix plus the ancestors; built once, shared by every layer."""
-        if self._full_mask is None or self._full_mask[0] != total:
-            n = self.mask.shape[0]
-            self._full_mask = (total, torch.cat([self.mask.new_ones(n, total - n), self.mask], dim=1)[None, None])
-        return self._full_mask[1]
+        """`[1, 1, n, total]` bool: the real keys before the block, then the ancestors."""
+        n = self.mask.shape[0]
+        before = self.mask.new_ones(total - n)
+        if self.key_padding is not None:
+            before[: self.key_padding.shape[0]] = self.key_padding
+        return torch.cat([before.expand(n, -1), self.mask], dim=1)[None, None]
 
 
 def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function used while EAGLE decodes (`attn_implementation="eagle_tree"`).
 
-    transformers builds no mask for it. A prefill or a one-token step is exactly transformers' SDPA
-    path; a verify block (a chain, or a tree whose `VerifyPlan` arrives as the `eagle_verify_plan`
-    forward kwarg) sees the cached prefix plus its own ancestors, computed as the plan's mode says.
+    transformers builds its SDPA mask for it (causal, with the padding). A forward without a
+    `VerifyPlan` (a prefill, a one-token step, another thread's plain call) is exactly transformers'
+    SDPA path; a verify block (its plan arrives as the `eagle_verify_plan` forward kwarg) sees the
+    real keys before it plus its own ancestors, computed as the plan's mode says. In chain mode the
+    mask is transformers' causal one; tree mode passes the plan's as a 4D `attention_mask`.
     """
     plan = kwargs.pop("eagle_verify_plan", None)
-    n, total = query.shape[2], key.shape[2]
-    if plan is None and n in (1, total):
+    if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    total = key.shape[2]
     window = kwargs.get("sliding_window")
     if window is not None and total > window:
         raise NotImplementedError(
             "EAGLE verification does not support sliding-window attention past the window "
             f"({total} > {window} tokens); use this target without an EAGLE drafter for such long inputs."
         )
-    plan = plan or VerifyPlan.causal(n, query.device)
+    mask = attention_mask if attention_mask is not None else plan.attention_mask(total)
     if plan.mode == "exact":
-        return decode_equivalent_attention(module, query, key, value, plan, scaling, dropout, **kwargs)
-    if plan.mode == "kernel" and query.is_cuda:
+        return decode_equivalent_attention(module, query, key, value, plan, mask, scaling, dropout, **kwargs)
+    if plan.mode == "kernel" and query.is_cuda and plan.key_padding is None:
         return tree_attention(query, key, value, plan.mask, scaling).transpose(1, 2).contiguous(), None
     # torch's SDPA directly: transformers' wrapper copies K/V per query head whenever a mask is given
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.attention_mask(total), scale=scaling,
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
-def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, scaling, dropout, **kwargs):
+def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, attention_mask, scaling, dropout,
+                                **kwargs):
     """The verify block's attention computed the way one-token decoding computes it.
 
     Why: one batched attention over the block sums in a different order than a decode step does,
     which can flip a near-tied argmax (often, in bf16). Each node instead runs transformers' SDPA
     with a single query over exactly the keys a decode step at its position would see: the prefix,
     then its ancestors in order. A chain node's keys are a contiguous slice of the cache (no copy);
-    a tree node's are gathered.
+    a tree node's are gathered. A decode step masks only padding, so only a padded prompt gets
+    a mask here: the node's row of `attention_mask` (`[1, 1, n, total]`) over the same keys.
     """
     prefix = key.shape[2] - plan.mask.shape[0]
+    padded = plan.key_padding is not None
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     for node, row in enumerate(plan.mask):
         visible = row.nonzero().flatten()
         count = visible.shape[0]
         if int(visible[-1]) == count - 1:  # the node and all block tokens before it: a slice
             keys, values = key[:, :, : prefix + count], value[:, :, : prefix + count]
+            mask = attention_mask[:, :, node : node + 1, : prefix + count] if padded else None
         else:
             index = torch.cat([torch.arange(prefix, device=visible.device), prefix + visible])
             keys, values = key.index_select(2, index), value.index_select(2, index)
-        attended, _ = sdpa_attention_forward(module, query[:, :, node : node + 1], keys, values, None,
+            mask = attention_mask[:, :, node : node + 1].index_select(3, index) if padded else None
+        attended, _ = sdpa_attention_forward(module, query[:, :, node : node + 1], keys, values, mask,
                                              dropout=dropout, scaling=scaling, **kwargs)
         out[:, node] = attended[:, 0]
     return out, None
@@ -133,16 +150,19 @@ class RowByRowLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_ROW_BY_ROW = threading.local()  # the mode is entered per thread (torch keeps its mode stack per thread)
+
+
 def _enter_exact_mode(module, args, kwargs):
     plan = kwargs.get("eagle_verify_plan")
     if plan is not None and plan.mode == "exact":
-        module._eagle_row_by_row = RowByRowLinear()
-        module._eagle_row_by_row.__enter__()
+        _ROW_BY_ROW.mode = RowByRowLinear()
+        _ROW_BY_ROW.mode.__enter__()
 
 
-def leave_exact_mode(module, *unused) -> None:
-    """Undo `_enter_exact_mode` (a forward hook, and the `finally` of every EAGLE `generate`)."""
-    mode = module.__dict__.pop("_eagle_row_by_row", None)
+def leave_exact_mode(*unused) -> None:
+    """Undo this thread's `_enter_exact_mode` (a forward hook, and the `finally` of every EAGLE `generate`)."""
+    mode = _ROW_BY_ROW.__dict__.pop("mode", None)
     if mode is not None:
         mode.__exit__(None, None, None)
 
@@ -156,6 +176,7 @@ def exact_mode_hooks(target: PreTrainedModel) -> list:
 
 
 AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # the padding reaches every forward, as under SDPA
 
 
 @dataclass
@@ -172,15 +193,18 @@ def verify_block(
     ancestor_mask: torch.Tensor,
     target_layer_ids: list[int],
     mode: str = "batched",
+    key_padding: torch.Tensor | None = None,
 ) -> BlockOutput:
-    """One target forward over the block (the target must be in `eagle_decoding` mode)."""
+    """One target forward over the block (the target must be in `eagle_verification` mode)."""
+    plan = VerifyPlan(ancestor_mask, mode, key_padding)
     out = target(
         input_ids=tokens[None],
         position_ids=positions[None],
+        attention_mask=plan.attention_mask(cache.get_seq_length() + tokens.shape[0]),  # 4D: transformers passes it on
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=capture_request(target_layer_ids),
-        eagle_verify_plan=VerifyPlan(ancestor_mask, mode),
+        eagle_verify_plan=plan,
     )
     return BlockOutput(out.logits[0].float(), select_features(out.hidden_states, target_layer_ids)[0])
 
@@ -235,6 +259,7 @@ def verify_tree(
     push_features: Callable[[torch.Tensor, torch.Tensor], None],
     chunk_depth: int | None = None,
     mode: str = "batched",
+    key_padding: torch.Tensor | None = None,
 ) -> StepResult:
     """Verify `tree` (root = last emitted token, not yet in the cache), walk, compact, feed the drafter.
 
@@ -242,9 +267,11 @@ def verify_tree(
     processes them, picks the next token, records it, and returns `(token, stop)`.
     With `chunk_depth`, the tree is verified in depth-ordered chunks ("micro-batched" verification):
     the next chunk, rooted at the accepted child, runs only if the walk reaches it.
+    `key_padding` marks the pads of a padded prompt (see `VerifyPlan`).
     """
     start = cache.get_seq_length()
-    position_base = start  # the tree root sits at position `start`; node positions are start + depth
+    pads = 0 if key_padding is None else int((~key_padding).sum())
+    position_base = start - pads  # the tree root's position (pads take none); node positions add their depth
     children = children_by_token(tree)
     emitted: list[int] = []
     walked: list[int] = []  # the root, then every accepted node
@@ -254,9 +281,8 @@ def verify_tree(
         block = subtree(tree, root, chunk_depth)
         block_start = cache.get_seq_length()
         mask = tree.ancestor_mask()[block][:, block]
-        out = verify_block(
-            target, cache, tree.tokens[block], position_base + tree.depths[block], mask, target_layer_ids, mode
-        )
+        out = verify_block(target, cache, tree.tokens[block], position_base + tree.depths[block], mask,
+                           target_layer_ids, mode, key_padding)
         forwards += 1
         local = {int(node): i for i, node in enumerate(block.tolist())}
         kept, next_tokens = [], []

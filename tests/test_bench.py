@@ -194,26 +194,28 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys):
 
 
 def test_bench_resumes_a_run_part_by_part(tmp_path, capsys, monkeypatch):
-    """Parts saved by an interrupted run are reused; only the missing one runs again, with the same results."""
+    """A run stopped after its first part (--max-parts) and resumed runs only the second part, and ends with
+    the counts of an uninterrupted run; other settings are refused."""
     from hf_eagle31.bench import runner
     from hf_eagle31.cli import main as cli_main
 
-    out = tmp_path / "bench"
     argv = ["bench", "--pair", "demo", "--num-prompts", "2", "--part-size", "1", "--max-new-tokens", "6", "--no-tune",
-            "--eagle3", "", "--assistant", "", "--out", str(out)]
-    assert cli_main(argv) == 0
-    first = json.loads((out / "results.json").read_text())
-    assert sorted(p.name for p in (out / "parts").iterdir()) == ["heldout_prompts_000.json", "heldout_prompts_001.json"]
-    (out / "parts" / "heldout_prompts_001.json").unlink()
+            "--eagle3", "", "--assistant", ""]
+    assert cli_main(argv + ["--out", str(tmp_path / "straight")]) == 0
+    straight = json.loads((tmp_path / "straight" / "results.json").read_text())
+    out = tmp_path / "stopped"
+    assert cli_main(argv + ["--out", str(out), "--max-parts", "1"]) == 0
+    assert [p.name for p in (out / "parts").iterdir()] == ["heldout_prompts_000.json"]
+    assert json.loads((out / "results.json").read_text())["prompts"] == {"heldout_prompts": 1}
     calls = []
     real = runner.run_all
     monkeypatch.setattr(runner, "run_all", lambda target, prompts, *a, **k: calls.append(len(prompts)) or real(target, prompts, *a, **k))
-    assert cli_main(argv + ["--resume"]) == 0
+    assert cli_main(argv + ["--out", str(out), "--resume"]) == 0
     assert calls == [1]
-    again = json.loads((out / "results.json").read_text())
+    resumed = json.loads((out / "results.json").read_text())
     count = lambda run: [(m["name"], m["new_tokens"], m["target_forwards"]) for m in run["methods"]]  # noqa: E731
-    assert count(again) == count(first)
-    assert cli_main(argv[:-2] + ["--max-new-tokens", "7", "--out", str(out), "--resume"]) == 2
+    assert count(resumed) == count(straight) and resumed["prompts"] == {"heldout_prompts": 2}
+    assert cli_main(argv + ["--max-new-tokens", "7", "--out", str(out), "--resume"]) == 2
     assert "other settings" in capsys.readouterr().err
 
 

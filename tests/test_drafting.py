@@ -141,7 +141,7 @@ def test_decode_equivalent_attention_equals_one_token_decoding_bit_for_bit(dtype
     value, query = torch.randn_like(key), torch.randn(1, 4, n, 16, dtype=dtype)
     tree = DraftTree(torch.arange(n), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]))
     mask = tree.ancestor_mask()
-    out, _ = decode_equivalent_attention(_Attention(), query, key, value, VerifyPlan(mask, "exact"), 0.25, 0.0)
+    out, _ = decode_equivalent_attention(_Attention(), query, key, value, VerifyPlan(mask, "exact"), None, 0.25, 0.0)
     for node in range(n):
         seen = list(range(prefix)) + [prefix + j for j in mask[node].nonzero().flatten().tolist()]
         decode_query = query[:, :, node : node + 1].transpose(1, 2).contiguous().transpose(1, 2)  # as q_proj lays it out

@@ -153,11 +153,11 @@ def test_batch_larger_than_one_is_refused_clearly(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kwargs, message", [
-    ({"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}, "padded inputs"),
     ({"output_hidden_states": True, "return_dict_in_generate": True}, "hidden states"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "attentions"),
     ({"use_cache": False}, "use_cache=False"),
     ({"cache_implementation": "static"}, "DynamicCache"),
+    ({"inputs_embeds": torch.zeros(1, 6, 64)}, "pass input_ids, not inputs_embeds"),
 ])
 def test_what_eagle_cannot_do_is_refused_by_name(mode, kwargs, message):
     target, drafter = trained_pair("llama", True, speculation_mode=mode)
@@ -167,8 +167,10 @@ def test_what_eagle_cannot_do_is_refused_by_name(mode, kwargs, message):
 
 
 @pytest.mark.parametrize("setting, value", [("speculation_mode", "CHAIN"), ("speculation_mode", "banana"),
+                                            ("speculation_mode", None), ("verify_mode", "fast"),
                                             ("tree_top_k", 0), ("tree_top_k", 10**6), ("tree_depth", -1),
-                                            ("num_assistant_tokens", 2.5), ("tree_total_tokens", 0)])
+                                            ("num_assistant_tokens", 2.5), ("tree_total_tokens", 0),
+                                            ("verify_chunk_depth", 0), ("collapse_fallback", "no")])
 def test_bad_speculation_settings_are_named(setting, value):
     target, drafter = trained_pair("llama", True, **{"speculation_mode": "chain" if setting == "num_assistant_tokens" else "tree",
                                                      setting: value})

@@ -22,10 +22,11 @@ PAIRS = {  # --pair: the models and prompts a run uses unless given one by one
     "smollm2": dict(target="smollm2-135m-instruct", eagle3=str(SMOLLM2 / "eagle3"), eagle31=str(SMOLLM2 / "eagle31"),
                     assistant=str(SMOLLM2 / "small_lm"),
                     prompts=[str(SMOLLM2 / "prompts" / f"{n}.jsonl") for n in ("mt_bench", "gsm8k", "humaneval", "alpaca")],
-                    documents=str(SMOLLM2 / "heldout_conversations.jsonl")),
+                    documents=str(SMOLLM2 / "heldout_conversations.jsonl"),
+                    calibration=str(SMOLLM2 / "heldout_conversations.jsonl")),
     "demo": dict(target=str(DEMO / "target"), eagle3=str(DEMO / "eagle3"), eagle31=str(DEMO / "eagle31"),
                  assistant=str(DEMO / "small_lm"), prompts=[str(DEMO / "heldout_prompts.jsonl")],
-                 documents=str(DEMO / "heldout_documents.jsonl")),
+                 documents=str(DEMO / "heldout_documents.jsonl"), calibration=""),
 }
 
 
@@ -40,6 +41,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--eagle31", help="EAGLE 3.1 drafter ('' to skip)")
     add("--assistant", help="small LM for transformers' assisted generation ('' to skip)")
     add("--prompts", nargs="+", help="JSONL files with 'text' or 'turns' per line, one dataset each")
+    add("--calibration", help="JSONL prompts ('text' or 'turns') to tune the draft shapes on ('': prompts of the "
+        "measured files that are not measured)")
     add("--documents", help="--drift: long texts (JSONL, 'text' or 'turns') to cut context-length prompts from")
     add("--num-prompts", type=int, default=20, help="prompts measured per dataset, spread over the file; "
         f"{CALIBRATION_PROMPTS} others in all calibrate the tuning")
@@ -59,6 +62,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(Llama-3.1-8B, Qwen2.5-7B) from costs measured here and this run's EAGLE 3.1 acceptance")
     add("--part-size", type=int, help="run each dataset in parts of this many prompts (every method on a part, "
         "then the next part), saving each part's results as it ends (default: the whole dataset at once)")
+    add("--max-parts", type=int, help="stop after this many parts of each dataset (results cover those); a later "
+        "--resume with a larger number goes on")
     add("--resume", action="store_true", help="reuse the parts and the tuning an interrupted run with the same "
         "settings saved in --out, and run only what is missing")
     add("--out", default="runs/bench")
@@ -70,7 +75,7 @@ def resolve_pair(args: argparse.Namespace) -> None:
     own_target = args.target is not None and args.target != pair["target"]
     for key, value in pair.items():
         if getattr(args, key) is None:
-            setattr(args, key, "" if own_target and key in ("eagle3", "eagle31", "assistant") else value)
+            setattr(args, key, "" if own_target and key in ("eagle3", "eagle31", "assistant", "calibration") else value)
 
 
 def read_texts(path: str, all_turns: bool = False) -> list[str]:
@@ -171,7 +176,8 @@ def run_in_parts(target, measured: dict[str, list[torch.Tensor]], methods, args)
     size = args.part_size or max(len(prompts) for prompts in measured.values())
     parts = {name: [prompts[i : i + size] for i in range(0, len(prompts), size)] for name, prompts in measured.items()}
     done: dict[str, list] = {name: [] for name in parts}
-    for index in range(max(len(p) for p in parts.values())):
+    rounds = max(len(p) for p in parts.values())
+    for index in range(min(rounds, args.max_parts or rounds)):
         for name, chunks in parts.items():
             if index >= len(chunks):
                 continue
@@ -183,7 +189,8 @@ def run_in_parts(target, measured: dict[str, list[torch.Tensor]], methods, args)
                 path.with_suffix(".tmp").write_text(json.dumps([asdict(r) for r in results]))
                 path.with_suffix(".tmp").replace(path)
             done[name].append(results)
-    return {name: (combine(runs), len(measured[name])) for name, runs in done.items()}
+    return {name: (combine(runs), sum(len(chunk) for chunk in parts[name][: len(runs)]))
+            for name, runs in done.items() if runs}
 
 
 def prepare_out(args: argparse.Namespace, meta: dict) -> Path:
@@ -191,7 +198,7 @@ def prepare_out(args: argparse.Namespace, meta: dict) -> Path:
     out = Path(args.out)
     (out / "parts").mkdir(parents=True, exist_ok=True)
     settings = out / "settings.json"
-    mine = {"command": command_line(args, skip=("resume",)), "prompts": meta["prompts"]}
+    mine = {"command": command_line(args, skip=("resume", "max_parts")), "prompts": meta["prompts"]}
     if args.resume:
         if settings.exists() and json.loads(settings.read_text()) != mine:
             raise ValueError(f"{out} holds a run with other settings ({json.loads(settings.read_text())['command']}); "
@@ -287,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
         chosen, others = split_prompts(texts, args.num_prompts, max(1, CALIBRATION_PROMPTS // len(datasets)))
         measured[name] = [encode(t) for t in chosen]
         calibration += [encode(t) for t in others]
+    if args.calibration:  # prompts of their own: tuning never sees a measured prompt, however many are measured
+        calibration = [encode(t) for t in split_prompts(read_texts(args.calibration), CALIBRATION_PROMPTS, 0)[0]]
     meta["prompts"] = {name: len(p) for name, p in measured.items()}
     out = prepare_out(args, meta)
     tuning = {} if args.no_tune else tune(target, drafters, calibration, args.max_new_tokens, out, args.resume)
@@ -294,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     per_dataset = run_in_parts(target, measured, methods, args)
     results = combine([r for r, _ in per_dataset.values()])
     prompts = sum(n for _, n in per_dataset.values())
+    meta["prompts"] = {name: n for name, (_, n) in per_dataset.items()}  # measured, with --max-parts fewer than chosen
     if args.project:
         meta["projections"] = projections(args, tuning, target.dtype)
     write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None)

@@ -1,0 +1,288 @@
+"""What users run into outside the happy path: threads sharing a target, padded prompts, bad inputs.
+
+Every expectation is a reference from outside the project: plain `generate`'s output, or the
+error text a user should read.
+"""
+
+import copy
+import json
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import PROMPTS, make_drafter, make_target, make_tokenizer, trained_pair
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils.logging import disable_progress_bar, enable_progress_bar
+
+from hf_eagle31 import Eagle3DraftModel
+from hf_eagle31.cli import main
+from hf_eagle31.conversion.layouts import CheckpointError
+from hf_eagle31.verification import RowByRowLinear
+
+
+def plain(target, prompt, **kwargs):
+    return target.generate(prompt, do_sample=False, **kwargs)
+
+
+def drafter_copy(target, drafter, **speculation):
+    """A second drafter object with its own speculation settings (the same weights)."""
+    other = copy.deepcopy(drafter)
+    other.set_target_embedding(target.get_input_embeddings())
+    for name, value in speculation.items():
+        setattr(other.generation_config, name, value)
+    return other
+
+
+class OnStep(BaseStreamer):
+    """Streams nothing; runs `actions[k]` at the call's k-th put (the first is the prompt, then one per step)."""
+
+    def __init__(self, actions: dict):
+        self.actions, self.puts = actions, 0
+
+    def put(self, value):
+        self.puts += 1
+        self.actions.get(self.puts, lambda: None)()
+
+    def end(self):
+        pass
+
+
+def handoff(signal: threading.Event, wait: threading.Event) -> None:
+    signal.set()
+    if not wait.wait(120):
+        raise TimeoutError("the other thread never got there")
+
+
+@pytest.mark.parametrize("second", ["chain", "chain-exact", "same-drafter"])
+def test_two_threads_on_one_target_each_get_plain_greedy_output(second):
+    """A web service's worker threads sharing one target: a long tree call, and short calls beside it.
+
+    The first short call starts decoding before the long one and ends while the long one decodes,
+    which then takes a few steps alone (the streamers hold each call until the other got there):
+    what one call switches on for itself must not be switched off under another. The later short
+    calls run freely beside the long one.
+    """
+    target, tree = trained_pair("llama", True, speculation_mode="tree", collapse_fallback=False)
+    other = {"chain": lambda: drafter_copy(target, tree, speculation_mode="chain"),
+             "chain-exact": lambda: drafter_copy(target, tree, speculation_mode="chain", verify_mode="exact"),
+             "same-drafter": lambda: tree}[second]()
+    long_prompt, short_prompts = PROMPTS[0:1], [PROMPTS[i : i + 1] for i in (3, 1, 4, 2, 5, 3)]
+    expected = [[plain(target, long_prompt, max_new_tokens=150)],
+                [plain(target, p, max_new_tokens=20) for p in short_prompts]]
+    settings = (target.config.to_dict(), target.generation_config.to_dict())
+    events = short_in, long_in, short_done, long_on = [threading.Event() for _ in range(4)]
+    outputs, problems = [[], []], []
+
+    def run(index, drafter, calls):
+        try:
+            for prompt, new_tokens, streamer in calls:
+                outputs[index].append(target.generate(prompt, do_sample=False, max_new_tokens=new_tokens,
+                                                      assistant_model=drafter, streamer=streamer))
+                if index == 1 and len(outputs[1]) == 1:
+                    handoff(short_done, long_on)
+        except Exception as err:  # noqa: BLE001  (reported below, with the thread it came from)
+            problems.append(f"thread {index}: {type(err).__name__}: {err}")
+        finally:
+            for event in events:  # never leave the other thread waiting
+                event.set()
+        if any(isinstance(mode, RowByRowLinear) for mode in torch.overrides._get_current_function_mode_stack()):
+            problems.append(f"thread {index}: row-by-row linears left on")
+
+    def long_thread():
+        short_in.wait(120)
+        run(0, tree, [(long_prompt, 150, OnStep({2: lambda: handoff(long_in, short_done), 6: long_on.set}))])
+
+    short_calls = [(short_prompts[0], 20, OnStep({2: lambda: handoff(short_in, long_in)}))]
+    short_calls += [(prompt, 20, None) for prompt in short_prompts[1:]]
+    threads = [threading.Thread(target=long_thread), threading.Thread(target=run, args=(1, other, short_calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not problems
+    for index in range(2):
+        assert [o.tolist() for o in outputs[index]] == [e.tolist() for e in expected[index]], f"thread {index}"
+    assert target.config._attn_implementation == "sdpa"  # as transformers loaded it
+    assert (target.config.to_dict(), target.generation_config.to_dict()) == settings
+    assert not target._forward_hooks and not target._forward_pre_hooks
+
+
+@pytest.mark.parametrize("verify_mode", ["batched", "exact"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_left_padded_prompt_gives_plain_greedy_output(mode, verify_mode):
+    """A tokenizer that pads: the attention mask must reach every verify forward."""
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, verify_mode=verify_mode,
+                                   collapse_fallback=False)
+    for prompt in (PROMPTS[0:1], PROMPTS[3:4]):
+        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)
+        mask = (padded != 0).long()
+        expected = plain(target, padded, attention_mask=mask, max_new_tokens=40, pad_token_id=0)
+        out = target.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=0,
+                              assistant_model=drafter)
+        assert torch.equal(out, expected), prompt.tolist()
+        assert drafter.speculation_stats.tau > 1.5  # drafting from the real tokens, not from the pads
+
+
+# --- bad inputs: a named one-line error, nothing written ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target (with a tokenizer) and a drafter for it, saved as a user would have them."""
+    folder = tmp_path_factory.mktemp("models")
+    target = make_target("llama")
+    target.save_pretrained(folder / "target")
+    make_tokenizer().save_pretrained(folder / "target")
+    make_drafter(target).save_pretrained(folder / "drafter")
+    return folder
+
+
+def damaged(models, tmp_path, damage) -> Path:
+    """A copy of the saved drafter, with `damage(folder)` done to it."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(models / "drafter", folder)
+    damage(folder)
+    return folder
+
+
+def edit_weights(edit):
+    def damage(folder):
+        weights = load_file(folder / "model.safetensors")
+        edit(weights)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return damage
+
+
+def edit_config(**changes):
+    def damage(folder):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return damage
+
+
+def rename_midlayer(weights):
+    for key in [k for k in weights if k.startswith("midlayer.")]:
+        weights["layers.0." + key.removeprefix("midlayer.")] = weights.pop(key)
+
+
+def object_pickle(folder):
+    """An EAGLE reference checkpoint (a pickle) that holds more than tensors."""
+    (folder / "model.safetensors").unlink()
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.save({"fc.weight": torch.zeros(2), "optimizer": threading.Event}, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("damage, error", [
+    (edit_weights(lambda w: w.pop("midlayer.mlp.up_proj.weight")), r"missing weights \['midlayer.mlp.up_proj.weight'\]"),
+    (edit_weights(lambda w: w.pop("fc_norm.1.weight")), r"missing weights \['fc_norm.1.weight'\]"),
+    (edit_weights(lambda w: w.pop("d2t")), r"missing weights \['d2t'\]"),
+    (edit_weights(rename_midlayer), r"missing weights \['midlayer.*unexpected weights \['layers.0."),
+    (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:5000]),
+     "model.safetensors is not a readable safetensors file .*incomplete or corrupt"),
+    (lambda f: (f / "model.safetensors").write_bytes(b""), "model.safetensors is not a readable safetensors file"),
+    (lambda f: (f / "model.safetensors").write_text("<html>404</html>"), "is not a readable safetensors file"),
+    (edit_config(hidden_size=128), r"fc.weight has shape \(64, 192\) but the config implies \(128, 192\)"),
+    (edit_config(intermediate_size=256), r"down_proj.weight has shape \(64, 128\) but the config implies \(64, 256\)"),
+    (edit_config(draft_vocab_size=128), r"lm_head.weight has shape \(256, 64\) but the config implies \(128, 64\)"),
+    (edit_config(num_attention_heads=3), "config.json does not describe a valid drafter: num_attention_heads"),
+    (lambda f: (f / "config.json").write_text('{"model_type": "eagle3_'), "config.json is not valid JSON"),
+    (object_pickle, "pytorch_model.bin is not a pickle of plain tensors that torch .* can load safely"),
+], ids=["missing-tensor", "missing-fc-norm", "missing-d2t", "renamed-layer", "truncated", "empty", "html",
+        "hidden-size", "intermediate-size", "draft-vocab", "heads", "truncated-config", "object-pickle"])
+def test_bad_checkpoints_get_named_errors(models, tmp_path, damage, error):
+    """The project's own layout is read as strictly as the others: nothing random, nothing raw."""
+    with pytest.raises(CheckpointError, match=error):
+        Eagle3DraftModel.from_pretrained(damaged(models, tmp_path, damage), allow_pickle=True)
+
+
+def test_a_drafter_on_another_device_is_named():
+    target, drafter = trained_pair("llama", True)
+    elsewhere = copy.deepcopy(drafter).to("meta")
+    with pytest.raises(ValueError, match=r"the drafter is on meta but the target's embedding is on cpu: move it "
+                                         r"with drafter.to\('cpu'\)"):
+        target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=5, assistant_model=elsewhere)
+
+
+def run_cli(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit:  # argparse's usage errors
+        return exit.code
+
+
+def tree_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"" for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["convert", "{drafter}", "{tmp}/file.txt"], "file.txt is a file: give a folder"),
+    (["convert", "{drafter}", "{tmp}/full"], "full is not empty: choose a new folder, or pass --overwrite"),
+    (["convert", "{drafter}", "{tmp}/new", "--layout", "vllm"], "argument --layout: invalid choice: 'vllm'"),
+    (["convert", "{tmp}/nothing", "{tmp}/new"], "neither a checkpoint folder nor a Hub repository id"),
+    (["train", "--target", "{target}", "--data", "{tmp}/lists.jsonl", "--out", "{tmp}/new", "--steps", "1"],
+     "training record 1 has no"),
+    (["train", "--target", "{tmp}/nothing", "--data", "{tmp}/lists.jsonl", "--out", "{tmp}/new", "--steps", "1"],
+     "cannot load the target model .*nothing: there is no such folder, and it is neither a Hub repository id"),
+    (["train", "--target", "{target}", "--data", "{tmp}/lists.jsonl", "--out", "{tmp}/new"],
+     "one of the arguments --steps --epochs is required"),
+    (["distill", "--target", "{target}", "--data", "{tmp}/no.jsonl", "--out", "{tmp}/new"], "no.jsonl does not exist"),
+    (["bench", "--target", "{tmp}/nothing", "--out", "{tmp}/new"],
+     "cannot load the target model .*nothing: there is no such folder"),
+    (["plan", "--target", "{target}", "--gpu-mem", ""], "cannot read GPU memory ''"),
+    (["plan", "--target", "{target}", "--gpu-mem", "0"], "GPU memory '0' is no memory at all"),
+    (["plan", "--target", "{target}", "--context", "many"], "argument --context: invalid int value: 'many'"),
+    (["card", "{tmp}/nothing"], "nothing does not hold a drafter config"),
+    (["upgrade"], "invalid choice: 'upgrade'"),
+], ids=["convert-onto-file", "convert-into-full-folder", "convert-layout", "convert-missing", "train-json-lists",
+        "train-missing-target", "train-no-budget", "distill-missing-data", "bench-missing-target", "plan-empty-memory",
+        "plan-zero-memory", "plan-context", "card-missing", "unknown-command"])
+def test_cli_bad_inputs_exit_2_with_one_line_and_write_nothing(models, tmp_path, capsys, argv, error):
+    (tmp_path / "file.txt").write_text("notes\n")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "README.md").write_text("another drafter\n")
+    (tmp_path / "lists.jsonl").write_text('[{"role": "user", "content": "hi"}]\n[{"role": "user", "content": "yo"}]\n')
+    before = tree_of(tmp_path)
+    names = {"drafter": models / "drafter", "target": models / "target", "tmp": tmp_path}
+    disable_progress_bar()  # transformers' loading bars share stderr with the error
+    try:
+        code = run_cli([arg.format(**names) for arg in argv])
+    finally:
+        enable_progress_bar()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    prog = f"hf-eagle31 {argv[0]}" if argv[0] != "upgrade" else "hf-eagle31"
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: ")
+    assert re.search(error, err[0]), err[0]
+    assert tree_of(tmp_path) == before
+
+
+def test_convert_into_an_existing_folder_replaces_it_whole(models, tmp_path, capsys, monkeypatch):
+    """Never a folder that loads as one model and documents another; never a half-written one."""
+    other = tmp_path / "other"
+    shutil.copytree(models / "drafter", other)
+    for name in ("README.md", "train_log.csv", "training_args.json", "tuning.json"):
+        (other / name).write_text("another drafter\n")
+    before = tree_of(other)
+    assert run_cli(["convert", str(models / "drafter"), str(other)]) == 2
+    assert "is not empty" in capsys.readouterr().err and tree_of(other) == before
+
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("hf_eagle31.conversion.layouts.save_file", disk_full)
+    assert run_cli(["convert", str(models / "drafter"), str(other), "--layout", "speculators", "--overwrite"]) == 2
+    assert "disk full" in capsys.readouterr().err
+    assert tree_of(other) == before and sorted(p.name for p in tmp_path.iterdir()) == ["other"]  # no scratch left
+    monkeypatch.undo()
+
+    assert run_cli(["convert", str(models / "drafter"), str(tmp_path / "fresh")]) == 0
+    assert run_cli(["convert", str(models / "drafter"), str(other), "--overwrite"]) == 0
+    assert tree_of(other) == tree_of(tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "other"]
+    original, converted = (Eagle3DraftModel.from_pretrained(folder) for folder in (models / "drafter", other))
+    assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(), converted.state_dict().values()))
