@@ -1,10 +1,11 @@
 """Convert an EAGLE drafter between checkpoint layouts, losslessly, or upgrade an EAGLE-3 head to EAGLE 3.1.
 
-`hf-eagle31 convert SRC DST [--layout hf_eagle31|eagle|specforge|speculators] [--upgrade ...]`
-reads SRC in any layout (this project's, the EAGLE reference's, SpecForge's, speculators') and writes
-DST in the chosen one with the weights and the 3.1 switches untouched; `--upgrade` switches the 3.1
-norms on and fine-tunes instead (see `upgrade.py`). DST must be new or empty (`--overwrite` replaces
-it whole); it is written whole or not at all.
+`hf-eagle31 convert SRC DST [--layout hf_eagle31|eagle|specforge|speculators] [--verifier ID] [--upgrade ...]`
+reads SRC in any layout (this project's, the EAGLE reference's, SpecForge's, speculators', NeMo
+Automodel's) and writes DST in the chosen one with the weights and the 3.1 switches untouched, or
+refuses a head that layout's readers would run differently (`layouts.ExportError`); `--upgrade`
+switches the 3.1 norms on and fine-tunes instead (see `upgrade.py`). DST must be new or empty
+(`--overwrite` replaces it whole); it is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from hf_eagle31.modeling import Eagle3DraftModel
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, layout: str = "hf_eagle31", allow_pickle: bool = False,
-                       overwrite: bool = False) -> Path:
+                       overwrite: bool = False, verifier: str | None = None) -> Path:
     """Read `src` in any supported layout and write it to `dst` in `layout`: same weights, same outputs.
 
-    `dst` must be new or empty unless `overwrite`; it is written whole or not at all (`replace_folder`).
+    `verifier` names the target in a speculators export (default: the one `src` records, from its
+    speculators config or its model card's `base_model`). `dst` must be new or empty unless
+    `overwrite`; it is written whole or not at all (`replace_folder`).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     with replace_folder(dst, overwrite) as scratch:
-        save_in_layout(Eagle3DraftModel.from_pretrained(src, allow_pickle=allow_pickle), scratch, layout)
+        save_in_layout(Eagle3DraftModel.from_pretrained(src, allow_pickle=allow_pickle), scratch, layout, verifier)
     return Path(dst)
 
 
@@ -37,6 +40,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", help="output folder: new or empty (see --overwrite)")
     parser.add_argument("--layout", choices=LAYOUTS, default="hf_eagle31",
                         help="output layout (eagle/specforge/speculators are what vLLM and SGLang serve)")
+    parser.add_argument("--verifier", help="the target's Hub id or path, named in a speculators export (required "
+                        "there when the drafter records none)")
     parser.add_argument("--allow-pickle", action="store_true", help="read a pytorch_model.bin (only for trusted files)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST whole (never merged into)")
     add_upgrade_arguments(parser)
@@ -44,14 +49,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.upgrade:
-        path = convert_checkpoint(args.src, args.dst, args.layout, args.allow_pickle, args.overwrite)
+        path = convert_checkpoint(args.src, args.dst, args.layout, args.allow_pickle, args.overwrite, args.verifier)
         print(f"wrote {path} ({args.layout} layout)")
         return 0
     with replace_folder(args.dst, args.overwrite) as scratch:
         drafter = Eagle3DraftModel.from_pretrained(args.src, allow_pickle=args.allow_pickle)
         upgraded = run_upgrade(args, drafter, scratch)  # saved in this project's layout
         if args.layout != "hf_eagle31":
-            save_in_layout(upgraded, scratch / args.layout, args.layout)
+            save_in_layout(upgraded, scratch / args.layout, args.layout, args.verifier or args.target)
     print(f"wrote {args.dst}" + (f" and {Path(args.dst) / args.layout} ({args.layout} layout)"
                                  if args.layout != "hf_eagle31" else ""))
     return 0

@@ -38,17 +38,17 @@ from hf_eagle31.training.trainer import TrainingConfig, train_drafter, training_
 @torch.no_grad()
 def fc_norm_weights(target: PreTrainedModel, sequences: list[TrainingSequence], layer_ids: list[int],
                     batch_size: int = 8) -> torch.Tensor:
-    """`[3, H_t]` RMSNorm weights: each captured layer's mean rms over these sequences' tokens."""
+    """`[n, H_t]` RMSNorm weights for the n captured layers: each one's mean rms over these sequences' tokens."""
     dataset = SequenceDataset(sequences)
-    total, count = torch.zeros(3), 0
+    total, count = torch.zeros(len(layer_ids)), 0
     for start in range(0, len(dataset), batch_size):
         batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         mask = batch["attention_mask"].to(target.device)
         features, _ = target_states(target, batch["input_ids"].to(target.device), mask, layer_ids)
-        rms = torch.stack(features.float().chunk(3, dim=-1)).pow(2).mean(-1).sqrt()  # [3, B, L]
+        rms = torch.stack(features.float().chunk(len(layer_ids), dim=-1)).pow(2).mean(-1).sqrt()  # [n, B, L]
         total += (rms * mask).sum((1, 2)).cpu()
         count += int(mask.sum())
-    return (total / count)[:, None].expand(3, features.shape[-1] // 3).clone()
+    return (total / count)[:, None].expand(len(layer_ids), features.shape[-1] // len(layer_ids)).clone()
 
 
 def switch_on_eagle31(drafter: Eagle3DraftModel, norm_weights: torch.Tensor) -> Eagle3DraftModel:
@@ -56,6 +56,9 @@ def switch_on_eagle31(drafter: Eagle3DraftModel, norm_weights: torch.Tensor) -> 
     if drafter.config.fc_norm or drafter.config.norm_output:
         raise ValueError("this drafter already has an EAGLE 3.1 switch on (fc_norm or norm_output); "
                          "--upgrade takes an EAGLE-3 head")
+    if drafter.config.norm_before_fc:
+        raise ValueError("this drafter normalises its features with norm_before_fc, which excludes fc_norm; "
+                         "--upgrade takes an EAGLE-3 head without it")
     config = copy.deepcopy(drafter.config)
     config.fc_norm = config.norm_output = True
     upgraded = Eagle3DraftModel(config).to(drafter.fc.weight.dtype)

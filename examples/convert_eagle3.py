@@ -89,7 +89,7 @@ def main() -> None:
 
     print("3. export to the serving layouts and re-import")
     for layout in ("speculators", "specforge"):
-        folder = save_in_layout(drafter, out / layout, layout)
+        folder = save_in_layout(drafter, out / layout, layout, verifier=args.target)
         check_identical(f"{folder} ({layout})", Eagle3DraftModel.from_pretrained(folder), reference, target)
 
     print(f"4. upgrade to EAGLE 3.1: calibrate fc_norm, fine-tune {args.steps} steps")
@@ -104,7 +104,8 @@ def main() -> None:
     for name, report in reports.items():
         print(f"  {name:40s} per depth {' '.join(f'{a:.3f}' for a in report.acceptance)}   "
               f"expected accepted length {report.expected_length:.3f}")
-    print(f"  wrote {out / 'eagle31'} and {save_in_layout(upgraded, out / 'eagle31_speculators', 'speculators')}")
+    exported = save_in_layout(upgraded, out / "eagle31_speculators", "speculators", verifier=args.target)
+    print(f"  wrote {out / 'eagle31'} and {exported}")
 
     upgraded = upgraded.to(target.dtype).eval()
     inputs = tokenizer(held_out[-1], return_tensors="pt")

@@ -1,6 +1,7 @@
 """EAGLE-3 and EAGLE 3.1 speculative decoding for Hugging Face transformers.
 
-Importing this package registers the drafter with `AutoConfig` / `AutoModel` and routes
+Importing this package registers the drafter with `AutoConfig` / `AutoModel`, lets `AutoModel` load
+EAGLE heads saved by other projects (`modeling.route_auto_classes`), and routes
 `generate(assistant_model=<EAGLE drafter>)` to EAGLE decoding (see `hf_eagle31.generation`).
 """
 
@@ -8,11 +9,12 @@ from transformers import AutoConfig, AutoModel
 
 from hf_eagle31.configuration import Eagle3Config
 from hf_eagle31.generation import EagleCandidateGenerator, install
-from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.modeling import Eagle3DraftModel, route_auto_classes
 from hf_eagle31.stats import SpeculationStats
 
 AutoConfig.register(Eagle3Config.model_type, Eagle3Config)
 AutoModel.register(Eagle3Config, Eagle3DraftModel)
+route_auto_classes()
 install()
 
 __version__ = "0.1.0"

@@ -31,6 +31,26 @@ def default_target_layer_ids(num_target_layers: int) -> list[int]:
     return [2, num_target_layers // 2, num_target_layers - 3]
 
 
+def safeailab_tree_settings(total_token: int | None = None, depth: int | None = None,
+                            top_k: int | None = None) -> dict[str, int]:
+    """SafeAILab's `EaModel` tree settings in this project's names, with SafeAILab's meaning kept.
+
+    SafeAILab/EAGLE eagle/model/cnets.py (`Model.__init__`, `topK_genrate`): `total_token` counts the
+    root it verifies with the draft (`self.total_tokens = total_token - 1` draft tokens), and `depth`
+    counts the levels after the first (one top-k expansion, then `depth` more). Ours count draft tokens
+    and all levels, so its `total_token=60, depth=7, top_k=10` is our `tree_total_tokens=59,
+    tree_depth=8, tree_top_k=10`. Copying the numbers across unchanged gives a different tree.
+    """
+    if total_token is not None and total_token < 2:
+        raise ValueError(f"total_token={total_token}: SafeAILab's -1 (time candidate sizes) has no counterpart "
+                         "here; use hf_eagle31.tuning.tune_drafter, or give a size of at least 2 (the root and one draft)")
+    if depth is not None and depth < 0:
+        raise ValueError(f"depth={depth} cannot be negative")
+    settings = {"tree_total_tokens": None if total_token is None else total_token - 1,
+                "tree_depth": None if depth is None else depth + 1, "tree_top_k": top_k}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
 class Eagle3Config(PreTrainedConfig):
     r"""
     Configuration of an EAGLE-3 or EAGLE 3.1 drafter.
@@ -44,9 +64,14 @@ class Eagle3Config(PreTrainedConfig):
       * `fc_norm`: one RMSNorm per captured target state before `fc`, so no layer's scale dominates.
       * `norm_output`: feed the post-`norm` state (what the LM head sees) back into the next draft step.
 
-    `norm_before_residual` (a speculators option) makes the residual stream start from the normed feature.
+    Variants that vLLM serves: `norm_before_residual` (speculators) makes the residual stream start
+    from the normed feature; `norm_before_fc` (gpt-oss heads) puts one RMSNorm over the whole
+    concatenation before `fc` (not the same as `fc_norm`, and exclusive with it). A head may capture
+    more than three target layers: `fc` reads `len(target_layer_ids)` of them.
     `include_embedding` says whether the checkpoint carries its own copy of the target's input
     embedding; the drafter uses the target's embedding whenever it is attached to one.
+    `verifier_name_or_path` is the target the checkpoint says it was trained for (speculators'
+    `verifier.name_or_path`), so that an export to speculators can name it.
     """
 
     model_type = MODEL_TYPE
@@ -72,7 +97,9 @@ class Eagle3Config(PreTrainedConfig):
     fc_norm: bool = False
     norm_output: bool = False
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
     include_embedding: bool = False
+    verifier_name_or_path: str | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -106,10 +133,13 @@ class Eagle3Config(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})."
             )
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("fc_norm (one RMSNorm per captured layer) and norm_before_fc (one RMSNorm over their "
+                             "concatenation) exclude each other.")
         ids = self.target_layer_ids
         if ids is not None:
-            if len(ids) != 3:
-                raise ValueError(f"target_layer_ids must list 3 target layers (low, mid, high), got {ids}.")
+            if len(ids) < 3:
+                raise ValueError(f"target_layer_ids must list at least 3 target layers (low, mid, high), got {ids}.")
             top = self.num_target_layers
             if min(ids) < 0 or (top is not None and max(ids) > top):
                 raise ValueError(
@@ -117,5 +147,11 @@ class Eagle3Config(PreTrainedConfig):
                     f"(valid hidden_states indices are 0..{top})."
                 )
 
+    @property
+    def num_aux_hidden_states(self) -> int:
+        """How many target layers `fc` reads (vLLM's and SGLang's name): the listed ones, else EAGLE-3's three."""
+        return len(self.target_layer_ids) if self.target_layer_ids else 3
 
-__all__ = ["Eagle3Config", "default_target_layer_ids", "MODEL_TYPE", "SPECULATION_DEFAULTS"]
+
+__all__ = ["Eagle3Config", "default_target_layer_ids", "safeailab_tree_settings", "MODEL_TYPE",
+           "SPECULATION_DEFAULTS"]

@@ -9,17 +9,22 @@ token t+1), one forward of the drafter predicts the token after each position:
     logits = lm_head(norm(h))                                       # over the draft vocabulary
     feedback = norm(h) if norm_output else h                        # 3.1 feeds back the post-norm state
 
+Variants that vLLM serves load too: `norm_before_fc` (one norm over the whole concatenation instead
+of one per layer), `norm_before_residual` (h starts from hidden_norm(g)), and heads that read n > 3
+target layers (width n*H_t).
+
 Module names follow the EAGLE reference checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`),
 so those load without renaming.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -29,7 +34,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
-from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config
+from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config, safeailab_tree_settings
 from hf_eagle31.kernels.tree_attention import tree_attention
 
 
@@ -114,18 +119,19 @@ class Eagle3DraftModel(PreTrainedModel):
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
-        target_width = config.target_hidden_size
+        target_width, layers = config.target_hidden_size, config.num_aux_hidden_states
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
             if config.include_embedding
             else None
         )
         self.fc_norm = (
-            nn.ModuleList(LlamaRMSNorm(target_width, eps=config.rms_norm_eps) for _ in range(3))
+            nn.ModuleList(LlamaRMSNorm(target_width, eps=config.rms_norm_eps) for _ in range(layers))
             if config.fc_norm
             else None
         )
-        self.fc = nn.Linear(3 * target_width, config.hidden_size, bias=False)
+        self.input_norm = LlamaRMSNorm(layers * target_width, eps=config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc = nn.Linear(layers * target_width, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -150,7 +156,8 @@ class Eagle3DraftModel(PreTrainedModel):
         self.generation_config.save_pretrained(save_directory)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_pickle: bool = False, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_pickle: bool = False,
+                        total_token: int | None = None, depth: int | None = None, top_k: int | None = None, **kwargs):
         """Load a drafter in any layout: this project's, the EAGLE reference's, SpecForge's or speculators'.
 
         The layout is detected from the config and keys and read into this project's key names
@@ -158,22 +165,27 @@ class Eagle3DraftModel(PreTrainedModel):
         layout as strictly as the others: a missing or renamed tensor is an error, not a random
         one), then built by transformers from that state dict, so `dtype` and `device_map` mean what
         they mean for any model. `pytorch_model.bin` files are read only with `allow_pickle=True`.
+        `total_token`, `depth` and `top_k` are SafeAILab `EaModel.from_pretrained`'s tree settings, with
+        SafeAILab's meaning (`configuration.safeailab_tree_settings`); given, they select tree mode in that shape.
         """
         from hf_eagle31.conversion import layouts
 
         hub_kwargs = {k: kwargs.pop(k) for k in layouts.HUB_KWARGS if k in kwargs}
         folder = layouts.checkpoint_folder(pretrained_model_name_or_path, **hub_kwargs)
         config, state, layout = layouts.read_checkpoint(folder, allow_pickle)
-        config = kwargs.pop("config", None) or config  # AutoModel passes the config it read
+        given = kwargs.pop("config", None)  # AutoModel passes the config it read: ours, for our own layout
+        config = given if isinstance(given, Eagle3Config) else config
         with torch.device("meta"):
             expected = cls(config).state_dict()
-        layouts.check_state_dict(expected, state, f"{pretrained_model_name_or_path} ({layout} layout)")
+        layouts.check_state_dict(expected, state, f"{pretrained_model_name_or_path} ({layout} layout)", config)
         model = super().from_pretrained(None, *args, config=config, state_dict=state, **kwargs)
         try:
             saved = GenerationConfig.from_pretrained(folder).to_diff_dict()
         except OSError:  # no generation_config.json: the defaults
             saved = {}
-        model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved})
+        tree = safeailab_tree_settings(total_token, depth, top_k)
+        tree = {"speculation_mode": "tree", **tree} if tree else {}
+        model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved, **tree})
         return model
 
     # --- the target's embedding -------------------------------------------------------------
@@ -214,9 +226,11 @@ class Eagle3DraftModel(PreTrainedModel):
     # --- one draft step ---------------------------------------------------------------------
 
     def project_target_features(self, features: torch.Tensor) -> torch.Tensor:
-        """Fuse the three captured target states (concatenated, width 3*H_t) into one drafter state."""
+        """Fuse the captured target states (concatenated, width n*H_t) into one drafter state."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
         if self.fc_norm is not None:
-            parts = features.chunk(3, dim=-1)
+            parts = features.chunk(len(self.fc_norm), dim=-1)
             features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(features)
 
@@ -234,7 +248,7 @@ class Eagle3DraftModel(PreTrainedModel):
 
         Args:
             input_ids: `[batch, n]` target-vocabulary ids, one ahead of `hidden_states`.
-            hidden_states: `[batch, n, 3 * target_hidden_size]` captured target features, or
+            hidden_states: `[batch, n, k * target_hidden_size]` features of the k captured target layers, or
                 `[batch, n, hidden_size]` states fed back from a previous draft step.
             position_ids: `[batch, n]`; defaults to continuing after the cache.
             past_key_values: the drafter's own cache (a transformers `Cache`), updated in place.
@@ -245,13 +259,13 @@ class Eagle3DraftModel(PreTrainedModel):
             logits_at: `[batch, n]` bool: logits only there, flattened to `[count, V_d]` (training needs them
                 only where its loss counts, and the head over a 16k+ vocabulary is most of a step's cost).
         """
-        width = hidden_states.shape[-1]
-        if width == 3 * self.config.target_hidden_size:
+        width, captured = hidden_states.shape[-1], self.fc.in_features
+        if width == captured:
             hidden_states = self.project_target_features(hidden_states)
         elif width != self.config.hidden_size:
             raise ValueError(
-                f"hidden_states has width {width}; expected 3 x target_hidden_size = "
-                f"{3 * self.config.target_hidden_size} (captured target features) or hidden_size = "
+                f"hidden_states has width {width}; expected {self.config.num_aux_hidden_states} captured layers x "
+                f"target_hidden_size = {captured} (target features) or hidden_size = "
                 f"{self.config.hidden_size} (fed-back drafter states)."
             )
         embedding = self.get_input_embeddings()
@@ -274,4 +288,40 @@ class Eagle3DraftModel(PreTrainedModel):
         )
 
 
-__all__ = ["Eagle3DraftModel", "Eagle3DraftOutput"]
+def route_auto_classes() -> None:
+    """Make `AutoModel.from_pretrained(<EAGLE-3 head in any layout>)` return the drafter (the README's line).
+
+    EAGLE reference and SpecForge heads say `model_type: "llama"`, so transformers alone builds a
+    `LlamaModel` from them (random weights where the head's are, and `generate` then fails on it);
+    speculators heads have no `model_type` at all. Both are recognised by their config here and
+    loaded as drafters; `AutoModelForCausalLM` refuses them by name, since a drafter is not a
+    language model. Every other checkpoint goes to transformers untouched.
+    """
+    for auto_class in (AutoModel, AutoModelForCausalLM):
+        original = auto_class.from_pretrained.__func__
+        if not getattr(original, "routes_eagle_heads", False):
+            auto_class.from_pretrained = classmethod(_routed(original))
+
+
+def _routed(original):
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        from hf_eagle31.conversion import layouts
+
+        config = None if kwargs.get("config") else layouts.peek_config(pretrained_model_name_or_path, kwargs)
+        if config is None or not layouts.is_foreign_drafter(config):
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        if cls is not AutoModel:
+            raise layouts.CheckpointError(
+                f"{pretrained_model_name_or_path} is an EAGLE-3 drafter head (architectures "
+                f"{config.get('architectures')}), not a model {cls.__name__} can build: load it with "
+                "`AutoModel.from_pretrained(...)` after `import hf_eagle31` (or `hf_eagle31.Eagle3DraftModel"
+                ".from_pretrained(...)`) and pass it to `target.generate(..., assistant_model=drafter)`"
+            )
+        return Eagle3DraftModel.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    from_pretrained.routes_eagle_heads = True
+    return from_pretrained
+
+
+__all__ = ["Eagle3DraftModel", "Eagle3DraftOutput", "route_auto_classes"]

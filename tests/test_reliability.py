@@ -275,7 +275,8 @@ def test_convert_into_an_existing_folder_replaces_it_whole(models, tmp_path, cap
         raise OSError("disk full")
 
     monkeypatch.setattr("hf_eagle31.conversion.layouts.save_file", disk_full)
-    assert run_cli(["convert", str(models / "drafter"), str(other), "--layout", "speculators", "--overwrite"]) == 2
+    assert run_cli(["convert", str(models / "drafter"), str(other), "--layout", "speculators", "--overwrite",
+                    "--verifier", "example-org/target"]) == 2
     assert "disk full" in capsys.readouterr().err
     assert tree_of(other) == before and sorted(p.name for p in tmp_path.iterdir()) == ["other"]  # no scratch left
     monkeypatch.undo()
