@@ -18,9 +18,13 @@ from hf_eagle31.modeling import Eagle3DraftModel
 
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Drop cache entries past `length` (negative `crop` works on every transformers 5.x)."""
+    """Drop cache entries past `length` (negative `crop` works on every transformers 5.x).
+
+    Cropping nothing still shrinks a sliding-window layer that recorded a verify block back to its
+    window (transformers' `crop(0)`), so a run of fully accepted steps does not grow it.
+    """
     surplus = cache.get_seq_length() - length
-    if surplus > 0:
+    if surplus >= 0:
         cache.crop(-surplus)
 
 

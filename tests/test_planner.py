@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from tiny_models import VOCAB, make_drafter, make_target
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
 from hf_eagle31.cli import main as cli_main
 from hf_eagle31.planner import (
@@ -156,6 +156,37 @@ def test_longest_context_by_hand(llama_8b):
     plan = llama_8b.plan("nf4", context=8192, tree_tokens=61, gpu_bytes=80 * GiB)
     assert plan.longest_context == 131072
     assert "the longest context that fits is 131072 tokens (the model's maximum)." in plan.advice
+
+
+# google/gemma-3-270m: 18 layers, every sixth full attention, the others a 512-token window; one KV head of 256
+GEMMA_3_270M = dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                    num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                    sliding_window=512, max_position_embeddings=32768)
+
+
+def test_windowed_layers_count_their_window_only(tmp_path):
+    planner = Planner(config_file(tmp_path, GEMMA_3_270M))
+    parts = planner.plan("bf16", context=32768, tree_tokens=61).components
+    per_token = 2 * 1 * 256 * 2  # K and V, one KV head of 256, bf16
+    assert parts["target KV cache (32768 tokens; 15 of 18 layers windowed at 512)"] == (
+        3 * 32768 * per_token + 15 * 512 * per_token)
+    assert planner.target_kv_cache(300) == 18 * 300 * per_token  # a short context fits every window
+    # the whole 32k context fits a small card: most of the KV cache stays at 512 tokens
+    assert planner.plan("bf16", context=32768, tree_tokens=61, gpu_bytes=4 * GiB).longest_context == 32768
+
+
+def test_planned_kv_cache_matches_a_real_cache():
+    """The planner's KV bytes against what transformers' own cache holds for a hybrid windowed model."""
+    config = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(torch.randint(0, 300, (1, 40)), past_key_values=cache)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    windowed_keeps = 8 - 1  # transformers keeps the last window - 1 keys between steps; the planner counts window
+    planner = Planner(config, dtype="fp32")
+    assert planner.target_kv_cache(40) == held + 5 * 2 * 2 * 16 * 4 * (8 - windowed_keeps)
 
 
 @pytest.mark.parametrize("config", [
