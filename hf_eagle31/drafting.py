@@ -29,40 +29,82 @@ def truncate_cache(cache: DynamicCache, length: int) -> None:
 
 
 class DrafterState:
-    """The drafter's KV cache, kept in step with what the target has accepted."""
+    """The drafter's KV cache for a batch of rows, kept in step with what the target has accepted.
 
-    def __init__(self, drafter: Eagle3DraftModel):
+    Rows accept different numbers of tokens per step. `catch_up` feeds each row's queued features
+    as one block as long as the longest queue: a shorter row's surplus entries are holes that
+    `key_mask` hides from every later query, and `positions` counts each row's real entries, so a
+    row drafts exactly as it would alone (batched.py keeps the target's cache the same way).
+    """
+
+    def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1):
         self.drafter = drafter
         self.cache = DynamicCache()
-        self.length = 0
-        self._features: list[torch.Tensor] = []
-        self._tokens: list[torch.Tensor] = []
+        self.length = 0  # cache entries built from target features, holes included
+        device = drafter.fc.weight.device
+        self.key_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real entries per row
+        self._features: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
+        self._tokens: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
 
-    def push(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Queue target features `[1, n, 3H]` with the token that followed each position `[1, n]`."""
+    def push(self, features: torch.Tensor, next_tokens: torch.Tensor, row: int = 0) -> None:
+        """Queue target features `[1, n, 3H]` of `row` with the token that followed each position `[1, n]`."""
         param = self.drafter.fc.weight
-        self._features.append(features.to(param.device, param.dtype))
-        self._tokens.append(next_tokens.to(param.device))
+        self._features[row].append(features[0].to(param.device, param.dtype))
+        self._tokens[row].append(next_tokens[0].to(param.device))
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (in this order): the others have finished."""
+        self.cache.batch_select_indices(rows.to(self.key_mask.device))
+        self.key_mask, self.positions = self.key_mask[rows], self.positions[rows]
+        self._features = [self._features[r] for r in rows.tolist()]
+        self._tokens = [self._tokens[r] for r in rows.tolist()]
+
+    def visible(self, tail: torch.Tensor) -> torch.Tensor:
+        """The drafter's `tail_mask` for queries that see `tail` `[n, m]` or `[B, n, m]` over the entries
+        drafted since `catch_up`, and every real cached entry before them."""
+        if bool(self.key_mask.all()):
+            return tail
+        batch, n = self.key_mask.shape[0], tail.shape[-2]
+        past = self.key_mask[:, None, :].expand(batch, n, -1)
+        return torch.cat([past, tail.expand(batch, n, tail.shape[-1])], dim=-1)
 
     @torch.no_grad()
     def catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the queued features; return the last position's fed-back state and draft logits."""
+        """Feed the queued features; return each row's last fed-back state `[B, 1, H]` and draft logits `[B, 1, V_d]`."""
         truncate_cache(self.cache, self.length)
-        features, tokens = torch.cat(self._features, dim=1), torch.cat(self._tokens, dim=1)
-        self._features, self._tokens = [], []
-        out = self.drafter(tokens, features, past_key_values=self.cache, logits_to_keep=1)
-        self.length += tokens.shape[1]
-        return out.hidden_states[:, -1:], out.logits
+        self.key_mask = self.key_mask[:, : self.length]
+        counts = torch.tensor([sum(f.shape[0] for f in queue) for queue in self._features], device=self.positions.device)
+        n = int(counts.max())
+        width = next(queue[0].shape[-1] for queue in self._features if queue)
+        features = self.drafter.fc.weight.new_zeros(len(counts), n, width)
+        tokens = torch.zeros(len(counts), n, dtype=torch.long, device=self.positions.device)
+        for row, (queue, ids) in enumerate(zip(self._features, self._tokens)):
+            if queue:
+                features[row, : counts[row]] = torch.cat(queue)
+                tokens[row, : counts[row]] = torch.cat(ids)
+        self._features, self._tokens = [[] for _ in counts], [[] for _ in counts]
+        real = torch.arange(n, device=counts.device) < counts[:, None]
+        causal = torch.ones(n, n, dtype=torch.bool, device=counts.device).tril()
+        tail = None if bool(real.all()) and bool(self.key_mask.all()) else self.visible(causal & real[:, None, :])
+        positions = self.positions[:, None] + torch.arange(n, device=counts.device)
+        last = torch.zeros_like(real)
+        last[torch.arange(len(counts)), counts - 1] = True
+        out = self.drafter(tokens, features, positions, self.cache, tail, logits_at=last)
+        self.key_mask = torch.cat([self.key_mask, real], dim=1)
+        self.length += n
+        self.positions += counts
+        return out.hidden_states[last][:, None], out.logits[:, None]
 
 
 @torch.no_grad()
 def draft_chain(
     state: DrafterState, steps: int, choose: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft `steps` tokens one after another.
+    """Draft `steps` tokens one after another in every row.
 
-    `choose` maps draft-vocabulary logits `[1, V_d]` to a target token id `[1, 1]`.
-    Returns the target ids `[1, steps]` and the draft logits each was chosen from `[1, steps, V_d]`.
+    `choose` maps draft-vocabulary logits `[B, V_d]` to target token ids `[B, 1]`.
+    Returns the target ids `[B, steps]` and the draft logits each was chosen from `[B, steps, V_d]`.
     """
     hidden, logits = state.catch_up()
     tokens, all_logits = [], []
@@ -71,7 +113,8 @@ def draft_chain(
         tokens.append(token)
         all_logits.append(logits)
         if step + 1 < steps:
-            out = state.drafter(token, hidden, past_key_values=state.cache)
+            seen = torch.ones(1, step + 1, dtype=torch.bool, device=token.device)  # every draft token so far
+            out = state.drafter(token, hidden, state.positions[:, None] + step, state.cache, state.visible(seen))
             hidden, logits = out.hidden_states, out.logits
     return torch.cat(tokens, dim=1), torch.cat(all_logits, dim=1)
 
@@ -102,51 +145,63 @@ class DraftTree:
         return mask.to(self.tokens.device)
 
     @classmethod
+    def chain(cls, root_token: torch.Tensor, drafts: torch.Tensor) -> "DraftTree":
+        """The root followed by `drafts` `[d]`, each the child of the one before (ranks: the position along it)."""
+        steps = torch.arange(drafts.shape[0] + 1, device=root_token.device)
+        return cls(torch.cat([root_token.reshape(1), drafts]), steps - 1, steps, steps - 1)
+
+    @classmethod
     def root_only(cls, root_token: torch.Tensor) -> "DraftTree":
         zero = torch.zeros(1, dtype=torch.long, device=root_token.device)
         return cls(root_token.reshape(1), zero - 1, zero, zero - 1)
 
 
 @torch.no_grad()
-def draft_tree(state: DrafterState, root_token: torch.Tensor, depth: int, top_k: int, total_tokens: int) -> DraftTree:
-    """EAGLE-2 dynamic tree: grow the `top_k` best frontier nodes for `depth` levels, keep the best `total_tokens`.
+def draft_tree(
+    state: DrafterState, roots: torch.Tensor, depth: int, top_k: int, total_tokens: int
+) -> list[DraftTree]:
+    """EAGLE-2 dynamic trees, one per row: grow the `top_k` best frontier nodes for `depth` levels, keep the best
+    `total_tokens`. `roots` `[B]` are the rows' last accepted tokens.
 
     A node's score is the log of the product of draft probabilities along its path. Each level is one
-    batched drafter forward over the frontier, with a tail mask letting each frontier node see the
+    drafter forward over every row's frontier, with a tail mask letting each frontier node see the
     accepted prefix, its own ancestors and itself. Every expanded child joins the candidate pool, so
     the final tree may hold leaves that were never expanded.
     """
     drafter = state.drafter
     hidden, logits = state.catch_up()
-    base = state.length  # position of the first draft level in the drafter's frame
-    log_probs = torch.log_softmax(logits[0, -1].float(), dim=-1)
-    scores, draft_ids = log_probs.topk(min(top_k, log_probs.shape[-1]))
+    batch, device = hidden.shape[0], hidden.device
+    log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)
+    scores, draft_ids = log_probs.topk(min(top_k, log_probs.shape[-1]))  # [B, k]
     pool_scores, pool_ids = [scores], [draft_ids]
     pool_parents = [torch.full_like(draft_ids, -1)]
-    frontier = torch.arange(scores.shape[0], device=scores.device)  # pool indices of the frontier
-    frontier_hidden = hidden.expand(1, frontier.shape[0], -1)
-    frontier_ancestry = torch.zeros(frontier.shape[0], 0, dtype=torch.bool, device=scores.device)
-    pool_size = scores.shape[0]
+    frontier = torch.arange(scores.shape[1], device=device).expand(batch, -1)  # pool indices of the frontier
+    frontier_hidden = hidden.expand(batch, frontier.shape[1], -1)
+    frontier_ancestry = torch.zeros(batch, frontier.shape[1], 0, dtype=torch.bool, device=device)
+    pool_size = scores.shape[1]
     for level in range(1, depth):
-        width = frontier.shape[0]
-        tail_mask = torch.cat([frontier_ancestry, torch.eye(width, dtype=torch.bool, device=scores.device)], dim=1)
-        frontier_tokens = drafter.draft_to_target(torch.cat(pool_ids)[frontier])
-        positions = torch.full((1, width), base + level - 1, device=scores.device)
-        out = drafter(frontier_tokens[None], frontier_hidden, positions, state.cache, tail_mask)
-        child_log_probs = torch.log_softmax(out.logits[0].float(), dim=-1)
+        width = frontier.shape[1]
+        itself = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)
+        tail_mask = torch.cat([frontier_ancestry, itself], dim=2)
+        frontier_tokens = drafter.draft_to_target(torch.cat(pool_ids, dim=1).gather(1, frontier))
+        positions = (state.positions + level - 1)[:, None].expand(batch, width)
+        out = drafter(frontier_tokens, frontier_hidden, positions, state.cache,
+                      state.visible(tail_mask[0] if batch == 1 else tail_mask))
+        child_log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # [B, width, V_d]
         top_log_probs, child_ids = child_log_probs.topk(min(top_k, child_log_probs.shape[-1]), dim=-1)
-        child_scores = (torch.cat(pool_scores)[frontier][:, None] + top_log_probs).flatten()
+        child_scores = (torch.cat(pool_scores, dim=1).gather(1, frontier)[:, :, None] + top_log_probs).flatten(1)
         pool_scores.append(child_scores)
-        pool_ids.append(child_ids.flatten())
-        pool_parents.append(frontier.repeat_interleave(child_ids.shape[1]))
-        best = child_scores.topk(min(top_k, child_scores.shape[0])).indices
-        parent_rows = best // child_ids.shape[1]
+        pool_ids.append(child_ids.flatten(1))
+        pool_parents.append(frontier.repeat_interleave(child_ids.shape[2], dim=1))
+        best = child_scores.topk(min(top_k, child_scores.shape[1]), dim=-1).indices
+        parent_rows = best // child_ids.shape[2]
         frontier = pool_size + best
-        pool_size += child_scores.shape[0]
-        frontier_hidden = out.hidden_states[:, parent_rows]
-        frontier_ancestry = torch.cat([frontier_ancestry, torch.eye(width, dtype=torch.bool, device=scores.device)], 1)
-        frontier_ancestry = frontier_ancestry[parent_rows]
-    return _select_tree(drafter, root_token, torch.cat(pool_scores), torch.cat(pool_ids), torch.cat(pool_parents), total_tokens)
+        pool_size += child_scores.shape[1]
+        frontier_hidden = out.hidden_states.gather(1, parent_rows[..., None].expand(-1, -1, out.hidden_states.shape[2]))
+        frontier_ancestry = torch.cat([frontier_ancestry, itself], dim=2)
+        frontier_ancestry = frontier_ancestry.gather(1, parent_rows[..., None].expand(-1, -1, frontier_ancestry.shape[2]))
+    pool = [torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)]
+    return [_select_tree(drafter, roots[row], *(part[row] for part in pool), total_tokens) for row in range(batch)]
 
 
 def _select_tree(

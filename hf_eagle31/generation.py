@@ -28,6 +28,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_eagle31.batched import eagle_batched_decoding
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_ids
 from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
@@ -423,7 +424,7 @@ def eagle_tree_decoding(
         began = time.perf_counter()
         speculate = monitor.should_speculate()
         if speculate:
-            tree = draft_tree(state, root, controller.length, top_k, total_tokens)
+            tree = draft_tree(state, root, controller.length, top_k, total_tokens)[0]
         else:
             tree = DraftTree.root_only(root)
         drafted = time.perf_counter()
@@ -457,6 +458,21 @@ def eagle_tree_decoding(
     )
 
 
+def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                     generation_config: GenerationConfig, drafter: Eagle3DraftModel, mode: str, **model_kwargs):
+    """More than one prompt: `eagle_batched_decoding` with the drafter's speculation settings."""
+    prepare_drafter(model, drafter)
+    start = speculation_setting(drafter, "tree_depth" if mode == "tree" else "num_assistant_tokens")
+    return eagle_batched_decoding(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, mode,
+        top_k=speculation_setting(drafter, "tree_top_k"),
+        total_tokens=speculation_setting(drafter, "tree_total_tokens"),
+        choose=_draft_sampler(drafter, bool(generation_config.do_sample), generation_config.temperature or 1.0),
+        controller=_length_controller(drafter, start),
+        monitor=CollapseMonitor(enabled=bool(speculation_setting(drafter, "collapse_fallback"))),
+        **model_kwargs)
+
+
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
 
 
@@ -481,18 +497,16 @@ def install() -> None:
         drafter = kwargs.get("assistant_model")
         if not isinstance(drafter, Eagle3DraftModel):
             return assisted(self, input_ids, *args, **kwargs)
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"EAGLE decoding supports batch size 1 (got {input_ids.shape[0]} sequences): "
-                "call generate once per prompt."
-            )
         check_inputs(kwargs["generation_config"], kwargs)
+        mode = speculation_setting(drafter, "speculation_mode")
         with eagle_verification(self):
-            if speculation_setting(drafter, "speculation_mode") == "chain":
+            if mode == "chain" and input_ids.shape[0] == 1:
                 return assisted(self, input_ids, *args, **kwargs)
             for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
                 kwargs.pop(unused, None)
-            return eagle_tree_decoding(self, input_ids, *args, drafter=drafter, **kwargs)
+            if input_ids.shape[0] == 1:
+                return eagle_tree_decoding(self, input_ids, *args, drafter=drafter, **kwargs)
+            return batched_decoding(self, input_ids, *args, drafter=drafter, mode=mode, **kwargs)
 
     @functools.wraps(candidates)
     def _get_candidate_generator(self, *args, **kwargs):

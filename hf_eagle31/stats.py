@@ -12,6 +12,8 @@ class SpeculationStats:
     `tau` is the mean number of tokens emitted per speculative target forward (accepted draft tokens
     plus the target's own bonus token). `acceptance_per_depth[d]` is the rate at which the draft
     token at depth `d + 1` was accepted, given that every shallower draft token on its path was.
+    A batched call counts each row's step as one forward (so `tau` is the mean over rows and steps)
+    and keeps each row's own counters in `per_row`.
     """
 
     mode: str = "chain"
@@ -25,6 +27,7 @@ class SpeculationStats:
     reached: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     accepted_ranks: list[list[int]] = field(default_factory=list, repr=False)
+    per_row: list["SpeculationStats"] = field(default_factory=list, repr=False)  # batched calls: one per prompt
 
     def record_step(
         self, proposed_depth: int, accepted_depth: int, emitted: int, forwards: int = 1, ranks: list[int] | None = None
@@ -65,4 +68,5 @@ class SpeculationStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "plain_seconds": self.plain_seconds,
+            **({"per_row_tau": [row.tau for row in self.per_row]} if self.per_row else {}),
         }

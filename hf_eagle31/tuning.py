@@ -103,6 +103,7 @@ def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int =
 
     def one_tree():
         state.length -= 1
+        state.positions -= 1
         state.push(features[:, -1:], tokens[:, -1:])
         draft_tree(state, tokens[0, -1:], depth, top_k, 10**6)
 

@@ -160,7 +160,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
                                            **kwargs)
     mask = plan.layer_mask(key.shape[2], window)
     if eager:  # softcapping, attention sinks and the like stay the target's own business
-        return attention(module, query, key, value, _additive(mask, query.dtype)[None, None], scaling=scaling,
+        return attention(module, query, key, value, additive_mask(mask, query.dtype)[None, None], scaling=scaling,
                          dropout=dropout, **kwargs)
     if plan.mode == "kernel" and query.is_cuda and plan.key_padding is None and window is None:
         return tree_attention(query, key, value, plan.mask, scaling).transpose(1, 2).contiguous(), None
@@ -170,7 +170,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     return out.transpose(1, 2).contiguous(), None
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as eager attention takes it (added to the scores), with the values transformers' `eager_mask` uses."""
     return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
@@ -202,7 +202,7 @@ def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, win
             keys, values, row = key.index_select(2, held), value.index_select(2, held), rows[node : node + 1, held]
         mask = None
         if eager or plan.key_padding is not None or (window is not None and count >= window):
-            mask = (_additive(row, query.dtype) if eager else row)[None, None]
+            mask = (additive_mask(row, query.dtype) if eager else row)[None, None]
         attended, _ = attention(module, query[:, :, node : node + 1], keys, values, mask, scaling=scaling,
                                 dropout=dropout, **kwargs)
         out[:, node] = attended[:, 0]
@@ -351,12 +351,39 @@ class StepResult:
         return len(self.path)
 
 
+@dataclass
+class Walk:
+    nodes: list[int]  # the walked nodes: the start node, then every accepted child
+    tokens: list[int]  # the token the target emitted at each walked node
+    stopped: bool  # a stopping criterion fired
+    next_root: int | None  # an accepted child outside the verified nodes (its subtree is verified next)
+
+
+def walk(children: list[dict[int, int]], start: int, emit: Callable[[int], tuple[int, bool]], verified) -> Walk:
+    """The acceptance walk: the target emits a token at each node; the walk moves to the child carrying it.
+
+    `emit(node)` processes the node's target logits, picks the token as plain `generate` would and
+    returns `(token, stop)`; `verified` holds the nodes whose logits exist (a chunk of a micro-batched tree).
+    """
+    nodes, tokens, node = [], [], start
+    while True:
+        token, stop = emit(node)
+        nodes.append(node)
+        tokens.append(token)
+        child = children[node].get(token)
+        if stop or child is None:
+            return Walk(nodes, tokens, stop, None)
+        if child not in verified:
+            return Walk(nodes, tokens, False, child)
+        node = child
+
+
 def verify_tree(
     target: PreTrainedModel,
     cache: Cache,
     tree: DraftTree,
     target_layer_ids: list[int],
-    emit: Callable[[int, torch.Tensor, torch.Tensor], tuple[int, bool]],
+    emit: Callable[[int, torch.Tensor], tuple[int, bool]],
     push_features: Callable[[torch.Tensor, torch.Tensor], None],
     chunk_depth: int | None = None,
     mode: str = "batched",
@@ -386,26 +413,13 @@ def verify_tree(
                            target_layer_ids, mode, prompt_padding)
         forwards += 1
         local = {int(node): i for i, node in enumerate(block.tolist())}
-        kept, next_tokens = [], []
-        node, next_root, stop = root, None, False
-        while True:
-            token, stop = emit(node, out.logits[local[node]])
-            emitted.append(token)
-            walked.append(node)
-            kept.append(local[node])
-            next_tokens.append(token)
-            child = children[node].get(token)
-            if stop or child is None:
-                break
-            if child not in local:
-                next_root = child
-                break
-            node = child
-        keep = torch.tensor(kept, device=tree.tokens.device)
+        chunk = walk(children, root, lambda node: emit(node, out.logits[local[node]]), local)
+        emitted += chunk.tokens
+        walked += chunk.nodes
+        keep = torch.tensor([local[node] for node in chunk.nodes], device=tree.tokens.device)
         compact_cache(cache, block_start, keep)
-        if stop or next_root is None:
-            if not stop:
-                push_features(out.features[keep][None], torch.tensor([next_tokens], device=tree.tokens.device))
-            return StepResult(emitted, walked[1:], forwards, stop)
-        push_features(out.features[keep][None], torch.tensor([next_tokens], device=tree.tokens.device))
-        root = next_root
+        if not chunk.stopped:
+            push_features(out.features[keep][None], torch.tensor([chunk.tokens], device=tree.tokens.device))
+        if chunk.stopped or chunk.next_root is None:
+            return StepResult(emitted, walked[1:], forwards, chunk.stopped)
+        root = chunk.next_root

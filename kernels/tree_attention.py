@@ -28,6 +28,7 @@ def tree_attention_reference(
             `q_heads` must be a multiple of `kv_heads` (grouped-query attention).
         tail_mask: `[n, m]` bool, True where query `i` may attend to key `S - m + j`. Keys before
             `S - m` are visible to all queries. `None` means causal over the last `n` keys.
+            `[batch, n, m]` gives each row its own (the rows of a batch hold different trees).
         scale: softmax scale, `head_dim ** -0.5` by default.
 
     Returns:
@@ -39,7 +40,9 @@ def tree_attention_reference(
     prefix = kv_len - tail_mask.shape[-1]
     if prefix < 0:
         raise ValueError(f"tail_mask covers {tail_mask.shape[-1]} keys but the cache holds only {kv_len}.")
-    mask = torch.cat([tail_mask.new_ones(n, prefix), tail_mask], dim=-1)
+    mask = torch.cat([tail_mask.new_ones(*tail_mask.shape[:-1], prefix), tail_mask], dim=-1)
+    if mask.dim() == 3:
+        mask = mask[:, None]
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )
@@ -52,11 +55,12 @@ def tree_attention(
     tail_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA for the head dims and dtypes it covers, else the torch reference.
+    """Dispatch: the Triton kernel on CUDA for the head dims and dtypes it covers (one mask for every row),
+    else the torch reference.
 
     Same contract as the reference.
     """
-    if query.is_cuda:
+    if query.is_cuda and (tail_mask is None or tail_mask.dim() == 2):
         from .tree_attention_triton import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, tree_attention_triton
 
         if query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in SUPPORTED_DTYPES:

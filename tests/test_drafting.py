@@ -71,7 +71,7 @@ def test_batched_tree_drafting_matches_the_one_node_at_a_time_reference(eagle31)
     features, tokens, root = context(target, drafter, PROMPTS[0:1])
     state = DrafterState(drafter)
     state.push(features, tokens)
-    tree = draft_tree(state, root[0], depth=4, top_k=3, total_tokens=12)
+    (tree,) = draft_tree(state, root[0], depth=4, top_k=3, total_tokens=12)
     assert len(tree) == 13 and tree.depth <= 4
     reference = reference_tree(drafter, features, tokens, depth=4, top_k=3, total=12)
     expected = {tuple(t + 56 for t in path) for path in reference}
@@ -106,6 +106,34 @@ def test_drafter_state_drops_draft_entries_and_keeps_real_ones():
     fresh = drafter(tokens, features)
     assert state.cache.get_seq_length() == tokens.shape[1]
     torch.testing.assert_close(logits[0, -1], fresh.logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_a_batch_of_ragged_rows_drafts_what_each_row_drafts_alone(mode):
+    """Rows queue different numbers of features per step (holes in the batched cache) and still draft as alone."""
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=True)
+    rows = [context(target, drafter, PROMPTS[i : i + 1, : 6 - i]) for i in range(3)]  # prompts of 6, 5, 4 tokens
+    firsts = [2, 4, 1]  # each row's features arrive in two steps, split here
+
+    def draft(state, roots):
+        if mode == "tree":
+            return [tree.tokens for tree in draft_tree(state, roots, depth=3, top_k=3, total_tokens=8)]
+        return list(draft_chain(state, 4, lambda logits: logits.argmax(-1, keepdim=True))[0])
+
+    batch, roots = DrafterState(drafter, 3), torch.cat([root[0] for _, _, root in rows])
+    for step in (slice(None, 2), slice(2, None)):  # 1st step: the first part of every row; 2nd: the rest
+        for row, ((features, tokens, _), first) in enumerate(zip(rows, firsts)):
+            part = slice(None, first) if step.stop else slice(first, None)
+            batch.push(features[:, part], tokens[:, part], row)
+        together = draft(batch, roots)
+    assert not bool(batch.key_mask.all()), "the rows never left a hole: the test exercised nothing"
+    for row, ((features, tokens, root), first) in enumerate(zip(rows, firsts)):
+        alone = DrafterState(drafter)
+        alone.push(features[:, :first], tokens[:, :first])
+        draft(alone, root[0])
+        alone.push(features[:, first:], tokens[:, first:])
+        assert torch.equal(draft(alone, root[0])[0], together[row]), row
 
 
 def test_ancestor_mask_matches_a_hand_built_one():

@@ -145,13 +145,6 @@ def test_text_iterator_streamer(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_batch_larger_than_one_is_refused_clearly(mode):
-    target, drafter = trained_pair("llama", True, speculation_mode=mode)
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(PROMPTS[:2], do_sample=False, max_new_tokens=5, assistant_model=drafter)
-
-
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kwargs, message", [
     ({"output_hidden_states": True, "return_dict_in_generate": True}, "hidden states"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "attentions"),

@@ -630,7 +630,7 @@ def test_safeailab_tree_settings_keep_their_meaning(tmp_path, target, plain):
     with torch.no_grad():
         states = target(ids, output_hidden_states=True).hidden_states
     state.push(torch.cat([states[i] for i in drafter.config.target_layer_ids], dim=-1)[:, :-1], ids[:, 1:])
-    tree = draft_tree(state, ids[0, -1:], chain["tree_depth"], chain["tree_top_k"], chain["tree_total_tokens"])
+    (tree,) = draft_tree(state, ids[0, -1:], chain["tree_depth"], chain["tree_top_k"], chain["tree_total_tokens"])
     assert len(tree) == 9 and tree.depth == 8
     with pytest.raises(ValueError, match="SafeAILab's -1"):
         safeailab_tree_settings(total_token=-1)

@@ -1,6 +1,10 @@
 """Self-distil ShareGPT with SmolLM2-135M-Instruct: the training data of the real pair (resumable).
 
     python examples/smollm2/distill.py --token-budget 400000     # stop and rerun at will
+    python examples/smollm2/distill.py --target gemma-3-270m --out runs/gemma3/distilled --max-turns 1
+
+`--target` names another packaged target (issue 19's Gemma 3 drafter trains on its answers to the
+same conversations); a target without a chat template reads the turns joined by blank lines.
 
 ShareGPT conversations that open with a user turn, minus any that share an 8-word run with a
 benchmark prompt (`../shared/data/prompts/`) and any opening with a pasted document (the
@@ -63,6 +67,8 @@ def conversations(prompts: Path, held_out: int, max_chars: int, seed: int = 0):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="a packaged target name")
+    parser.add_argument("--out", type=Path, default=HERE / "distilled")
     parser.add_argument("--token-budget", type=int, default=None, help="stop at this many answer tokens")
     parser.add_argument("--held-out", type=int, default=200)
     parser.add_argument("--max-length", type=int, default=1024)
@@ -81,9 +87,9 @@ def main() -> None:
                                 "messages": messages[c.name]}) + "\n")
     if args.held_out_only:
         return
-    target, tokenizer = load_packaged_model("smollm2-135m-instruct")
+    target, tokenizer = load_packaged_model(args.target)
     settings = DistillSettings(args.max_length, args.max_new_tokens, args.max_turns, args.batch_size)
-    _, report = distill_to_folder(target, tokenizer, train, HERE / "distilled", settings, args.token_budget,
+    _, report = distill_to_folder(target, tokenizer, train, args.out, settings, args.token_budget,
                                   args.chunk_size)
     print(json.dumps(report.__dict__, indent=1))
 

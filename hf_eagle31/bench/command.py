@@ -58,6 +58,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "or float32")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
+    add("--batch-sizes", help="run plain batched generate against batched EAGLE 3.1 chain and tree at these batch "
+        "sizes instead (e.g. 1,4,8,16), on the same prompts")
     add("--project", nargs="+", metavar="SHAPE", help="also project speedups to real model shapes "
         "(Llama-3.1-8B, Qwen2.5-7B) from costs measured here and this run's EAGLE 3.1 acceptance")
     add("--part-size", type=int, help="run each dataset in parts of this many prompts (every method on a part, "
@@ -289,6 +291,11 @@ def run(args: argparse.Namespace) -> int:
         documents = read_documents(args.documents) if args.documents else None
         return run_drift_study(target, tokenizer, drafters, texts, args, documents, meta,
                                uses_chat_template(tokenizer, args))
+    if args.batch_sizes:
+        from hf_eagle31.bench.batching import run_batched_study
+
+        texts = [t for texts in datasets.values() for t in split_prompts(texts, args.num_prompts)[0]]
+        return run_batched_study(target, tokenizer, drafters, texts, plain, args, meta)
     measured, calibration = {}, []
     for name, texts in datasets.items():
         chosen, others = split_prompts(texts, args.num_prompts, max(1, CALIBRATION_PROMPTS // len(datasets)))

@@ -1,0 +1,143 @@
+"""Batched EAGLE decoding: every row of `generate(batch, assistant_model=drafter)` equals the same row of
+plain batched `generate`, with left-padded ragged prompts, rows that stop early, and sampling that
+follows the target's distribution in every row."""
+
+import pytest
+import torch
+from test_sampling import ALPHA, SAMPLES, TEMPERATURE, TOP_K, exact_joint, goodness_of_fit
+from tiny_models import PROMPTS, make_drafter, make_target, make_tokenizer, trained_pair
+from transformers import TextStreamer
+from transformers.generation.streamers import BaseStreamer
+
+import hf_eagle31  # noqa: F401
+from hf_eagle31.verification import UnsupportedTargetError
+
+MODES = ["chain", "tree"]
+PAD = 0
+
+
+def left_padded(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """What a tokenizer with `padding_side="left"` returns for these prompts."""
+    width = max(len(p) for p in prompts)
+    return {"input_ids": torch.tensor([[PAD] * (width - len(p)) + p for p in prompts]),
+            "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
+
+
+# memorised prompts (long accepted paths), prefixes and extensions (rejections), one token
+RAGGED = [PROMPTS[0].tolist(), PROMPTS[1, :3].tolist(), PROMPTS[2].tolist() + PROMPTS[4, :2].tolist(),
+          PROMPTS[3, :1].tolist(), PROMPTS[5].tolist(), PROMPTS[4].tolist(), PROMPTS[1].tolist(), [7]]
+
+
+def plain(target, batch, **kwargs):
+    return target.generate(**batch, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_every_row_equals_plain_batched_greedy(arch, mode, size):
+    target, drafter = trained_pair(arch, True, speculation_mode=mode, collapse_fallback=False)
+    batch = left_padded(RAGGED[:size])
+    for max_new_tokens in (1, 6, 40):
+        expected = plain(target, batch, max_new_tokens=max_new_tokens)
+        out = plain(target, batch, max_new_tokens=max_new_tokens, assistant_model=drafter)
+        assert torch.equal(out, expected), (size, max_new_tokens)
+    per_row = drafter.speculation_stats.per_row
+    assert len(per_row) == size and max(row.tau for row in per_row) > 2, "no row accepted a multi-token path"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_that_hit_eos_stop_and_are_padded_like_plain_generate(mode):
+    """eos falls in the middle of some rows (at different steps), never in others."""
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, collapse_fallback=False)
+    batch = left_padded(RAGGED[:6])
+    continuation = plain(target, batch, max_new_tokens=30)[:, batch["input_ids"].shape[1]:]
+    eos = int(continuation[0, 9])  # row 0 emits it after 9 tokens; other rows at other steps or never
+    expected = plain(target, batch, max_new_tokens=30, eos_token_id=eos)
+    rows_stopped = int((expected[:, -1] == PAD).sum())
+    assert 0 < rows_stopped < 6, "eos must stop some rows but not all"
+    out = plain(target, batch, max_new_tokens=30, eos_token_id=eos, assistant_model=drafter)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_processors_apply_per_row(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, collapse_fallback=False)
+    batch = left_padded(RAGGED[:4])
+    controls = dict(max_new_tokens=25, repetition_penalty=1.3, min_new_tokens=12, eos_token_id=int(PROMPTS[0, 2]))
+    assert torch.equal(plain(target, batch, assistant_model=drafter, **controls), plain(target, batch, **controls))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dynamic_speculation_and_fallback_never_change_the_rows(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, dynamic_speculation=True)
+    batch = left_padded(RAGGED[:5])
+    assert torch.equal(plain(target, batch, max_new_tokens=40, assistant_model=drafter),
+                       plain(target, batch, max_new_tokens=40))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_statistics_account_for_every_row(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, collapse_fallback=False)
+    batch = left_padded(RAGGED[:3])
+    plain(target, batch, max_new_tokens=20, assistant_model=drafter)
+    stats = drafter.speculation_stats
+    assert [row.speculative_tokens for row in stats.per_row] == [20 - 1] * 3  # the prefill emits the first
+    assert stats.speculative_tokens == sum(row.speculative_tokens for row in stats.per_row)
+    assert stats.as_dict()["per_row_tau"] == [row.tau for row in stats.per_row]
+
+
+class Recorder(BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_with_a_streamer_is_refused_by_name(mode):
+    """transformers' own streamers refuse a batch when the prompt arrives; a streamer that takes it gets our error."""
+    target, drafter = trained_pair("llama", True, speculation_mode=mode)
+    batch = left_padded(RAGGED[:2])
+    with pytest.raises(ValueError, match="streamers take one sequence"):
+        plain(target, batch, max_new_tokens=5, assistant_model=drafter, streamer=Recorder())
+    with pytest.raises(ValueError, match="only supports batch size 1"):
+        plain(target, batch, max_new_tokens=5, assistant_model=drafter, streamer=TextStreamer(make_tokenizer()))
+
+
+def test_a_sliding_window_target_is_refused_for_batches_by_name():
+    target = make_target("mistral")
+    target.config.sliding_window = 8
+    with pytest.raises(UnsupportedTargetError, match="sliding-window"):
+        plain(target, left_padded(RAGGED[:2]), max_new_tokens=5, assistant_model=make_drafter(target))
+
+
+@pytest.fixture(scope="module", params=MODES)
+def batched_samples(request):
+    """3-token continuations of two ragged rows, sampled together, from many seeds."""
+    target, drafter = trained_pair("llama", True, speculation_mode=request.param, collapse_fallback=False)
+    prompts = [PROMPTS[0].tolist(), PROMPTS[1, :4].tolist()]
+    batch = left_padded(prompts)
+    counts = [{}, {}]
+    accepted = 0
+    for seed in range(SAMPLES):
+        torch.manual_seed(seed)
+        out = target.generate(**batch, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=None,
+                              max_new_tokens=3, pad_token_id=PAD, assistant_model=drafter)
+        for row in range(2):
+            key = tuple(out[row, batch["input_ids"].shape[1]:].tolist())
+            counts[row][key] = counts[row].get(key, 0) + 1
+        stats = drafter.speculation_stats
+        accepted += stats.speculative_tokens - stats.speculative_forwards
+    return target, accepted, [torch.tensor([p]) for p in prompts], counts
+
+
+def test_batched_sampling_matches_the_target_distribution_in_every_row(batched_samples):
+    target, accepted, prompts, counts = batched_samples
+    assert accepted > SAMPLES // 4, "draft tokens were rarely accepted: the acceptance path went untested"
+    for prompt, row_counts in zip(prompts, counts):
+        p_value = goodness_of_fit(row_counts, exact_joint(target, prompt, TEMPERATURE, TOP_K))
+        assert p_value > ALPHA, f"row {prompt.tolist()} does not follow the target distribution (p = {p_value:.2e})"
+        wrong = goodness_of_fit(row_counts, exact_joint(target, prompt, TEMPERATURE * 1.25, TOP_K))
+        assert wrong < ALPHA, "negative control: the test must reject a slightly different distribution"
