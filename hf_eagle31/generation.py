@@ -458,17 +458,34 @@ def eagle_tree_decoding(
     )
 
 
+def batch_shape(drafter: Eagle3DraftModel, batch_size: int) -> dict | None:
+    """The tuned shape for the largest tuned batch size up to `batch_size` (`tuning.batch_shapes`), if any."""
+    shapes = getattr(drafter.generation_config, "batch_shapes", None) or {}
+    fitting = [int(size) for size in shapes if int(size) <= batch_size]
+    return shapes[str(max(fitting))] if fitting else None
+
+
 def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                      generation_config: GenerationConfig, drafter: Eagle3DraftModel, mode: str, **model_kwargs):
-    """More than one prompt: `eagle_batched_decoding` with the drafter's speculation settings."""
+    """More than one prompt: `eagle_batched_decoding` with the drafter's speculation settings, or with the
+    shape tuned for this batch size; plain decoding where tuning predicted that no shape pays at this size."""
     prepare_drafter(model, drafter)
-    start = speculation_setting(drafter, "tree_depth" if mode == "tree" else "num_assistant_tokens")
+    shape = batch_shape(drafter, input_ids.shape[0])
+    if shape is not None and shape["speedup"] < 1.0:
+        drafter.speculation_stats = SpeculationStats(mode=mode, fallbacks=1)
+        return model._sample(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+    settings = {name: speculation_setting(drafter, name) for name in
+                ("tree_top_k", "tree_depth", "tree_total_tokens", "num_assistant_tokens")}
+    if shape is not None:
+        mode = "chain" if shape["tree_top_k"] == 1 else "tree"
+        settings.update({k: shape[k] for k in ("tree_top_k", "tree_depth", "tree_total_tokens")},
+                        num_assistant_tokens=shape["tree_depth"])
     return eagle_batched_decoding(
         model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, mode,
-        top_k=speculation_setting(drafter, "tree_top_k"),
-        total_tokens=speculation_setting(drafter, "tree_total_tokens"),
+        top_k=settings["tree_top_k"],
+        total_tokens=settings["tree_total_tokens"],
         choose=_draft_sampler(drafter, bool(generation_config.do_sample), generation_config.temperature or 1.0),
-        controller=_length_controller(drafter, start),
+        controller=_length_controller(drafter, settings["tree_depth" if mode == "tree" else "num_assistant_tokens"]),
         monitor=CollapseMonitor(enabled=bool(speculation_setting(drafter, "collapse_fallback"))),
         **model_kwargs)
 

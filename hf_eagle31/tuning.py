@@ -215,8 +215,48 @@ def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, d
     return candidates
 
 
+BATCH_SIZES = (2, 4, 8, 16, 32)
+
+
+def _cost(curve: dict[int, float], n: int) -> float:
+    """t(n) from the measured verify curve: linear between measured sizes, and past the largest along its last slope."""
+    sizes = sorted(curve)
+    if n in curve:
+        return curve[n]
+    upper = next((s for s in sizes if s > n), None)
+    low, high = (sizes[-2], sizes[-1]) if upper is None else (max(s for s in sizes if s < n), upper)
+    return curve[low] + (curve[high] - curve[low]) * (n - low) / (high - low)
+
+
+def batch_shapes(report: dict, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict[str, dict]:
+    """The shape predicted fastest at each batch size, from the costs and acceptance measured for one row.
+
+    Verifying B rows of n tokens costs about what one block of B x n tokens costs (the linear layers
+    see as many rows), so t(B x n) from the verify curve prices it, and a drafter forward over B rows
+    is priced by the same curve, t(B x width) / t(width). Acceptance is the measured per-row one: a
+    batch waits for its slowest row, so measured gains (`hf-eagle31 bench --batch-sizes`) come out
+    lower. A batch size where no shape is predicted to beat plain decoding gets its best shape with
+    its `speedup` below 1, and batched decoding then decodes plainly.
+    """
+    measured = {int(n): t for n, t in report["verify_seconds"].items()}
+    curve = {n: min(t for m, t in measured.items() if m >= n) for n in measured}  # more tokens never cost less: noise
+    drafts = {int(k): {int(d): t for d, t in depths.items()} for k, depths in report["draft_seconds"].items()}
+    shapes = {}
+    for batch in batch_sizes:
+        best = None
+        for c in report["candidates"]:
+            width, depth, n = c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"] + 1
+            draft = drafts[width][depth] * _cost(curve, batch * width) / _cost(curve, width)
+            speedup = c["tau"] * _cost(curve, batch) / (_cost(curve, batch * n) + draft)
+            if best is None or speedup > best["speedup"]:
+                best = {"tree_top_k": width, "tree_depth": depth, "tree_total_tokens": n - 1, "speedup": speedup}
+        shapes[str(batch)] = best
+    return shapes
+
+
 def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None:
-    """Store the best chain length, the best tree and the faster mode in the drafter's generation config.
+    """Store the best chain length, the best tree and the faster mode in the drafter's generation config,
+    and the shape predicted fastest for each batch size (`batch_shapes`).
 
     `report` may also be a saved `TuningReport.as_dict()` (a resumed benchmark reuses its tuning).
     Dynamic speculation is switched off: the shapes were chosen for the acceptance measured at a
@@ -235,6 +275,7 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     config.max_speculation_depth = max(chain.get("tree_depth", 1), tree.get("tree_depth", 1))
     config.speculation_mode = "chain" if choice["tree_top_k"] == 1 else "tree"
     config.dynamic_speculation = False
+    config.batch_shapes = batch_shapes(report)
 
 
 def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],

@@ -29,11 +29,19 @@ def _format(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def benchmark_rows(results) -> list[dict]:
+def benchmark_rows(results, arch_name: str | None = None) -> list[dict]:
     """Table rows from benchmark results: one run or a list of runs (or `{"runs": [...]}`), each with
     optional `name`, `tau`, `speedup` and per-depth acceptance as `acceptance_per_depth`
-    (`SpeculationStats.as_dict()`) or `acceptance` (`AcceptanceReport.as_dict()`)."""
-    runs = results.get("runs", [results]) if isinstance(results, dict) else list(results)
+    (`SpeculationStats.as_dict()`) or `acceptance` (`AcceptanceReport.as_dict()`); or an
+    `hf-eagle31 bench` results.json, whose methods named after `arch_name` ("EAGLE 3.1 tree", ...) are this
+    drafter's."""
+    if isinstance(results, dict) and "methods" in results:
+        runs = [m for m in results["methods"] if arch_name is None or m["name"].startswith(arch_name + " ")]
+        if not runs:
+            raise ValueError(f"the benchmark results have no {arch_name} method (they have "
+                             f"{', '.join(m['name'] for m in results['methods'])})")
+    else:
+        runs = results.get("runs", [results]) if isinstance(results, dict) else list(results)
     rows = []
     for number, run in enumerate(runs, 1):
         alpha = run.get("acceptance_per_depth", run.get("acceptance"))
@@ -45,6 +53,16 @@ def benchmark_rows(results) -> list[dict]:
     for row in rows:
         row["alpha"] += ["–"] * (depth - len(row["alpha"]))
     return rows
+
+
+def _bench_source(results) -> str:
+    """Where an `hf-eagle31 bench` results.json came from: date, machine, prompts, command."""
+    if not isinstance(results, dict) or "command" not in results:
+        return ""
+    prompts = results.get("prompts", {})
+    count = sum(prompts.values()) if isinstance(prompts, dict) else prompts
+    return (f"Measured {results.get('date', '')} on {results.get('machine', 'an unrecorded machine')}, "
+            f"{count} prompts, with `{results['command']}`.")
 
 
 def _weight_bytes(folder: Path) -> str:
@@ -86,8 +104,8 @@ def write_model_card(
             benchmark = json.loads(Path(benchmark).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read benchmark results {benchmark}: {err}") from None
-    rows = benchmark_rows(benchmark) if benchmark is not None else None
     eagle31 = config.fc_norm or config.norm_output
+    rows = benchmark_rows(benchmark, "EAGLE 3.1" if eagle31 else "EAGLE-3") if benchmark is not None else None
     arch_tag = "eagle3.1" if eagle31 else "eagle3"
     card_data = ModelCardData(
         library_name="hf-eagle31",
@@ -107,6 +125,7 @@ def write_model_card(
         training={k: f"{v:.4g}" if isinstance(v, float) else str(v)  # a learning rate of 5e-4 stays 0.0005
                   for k, v in (training or {}).items() if k not in HIDDEN_TRAINING_KEYS and v is not None},
         benchmark=rows,
+        bench_source=_bench_source(benchmark),
         depths=len(rows[0]["alpha"]) if rows else 0,
     )
     card.save(folder / "README.md")

@@ -113,6 +113,39 @@ def test_a_sliding_window_target_is_refused_for_batches_by_name():
         plain(target, left_padded(RAGGED[:2]), max_new_tokens=5, assistant_model=make_drafter(target))
 
 
+def test_the_shape_tuned_for_the_batch_size_is_used_and_plain_decoding_where_none_pays():
+    target, drafter = trained_pair("llama", True, speculation_mode="tree", tree_top_k=4, tree_depth=6,
+                                   tree_total_tokens=30, collapse_fallback=False)
+    batch = left_padded(RAGGED[:4])
+    expected = plain(target, batch, max_new_tokens=30)
+    chain_of_2 = {"tree_top_k": 1, "tree_depth": 2, "tree_total_tokens": 2, "speedup": 1.5}
+    drafter.generation_config.batch_shapes = {"2": chain_of_2, "8": {**chain_of_2, "speedup": 0.9}}
+    assert torch.equal(plain(target, batch, max_new_tokens=30, assistant_model=drafter), expected)
+    stats = drafter.speculation_stats
+    assert stats.mode == "chain" and len(stats.reached) == 2 and stats.speculative_forwards > 0  # batch 4 -> "2"
+    wide = left_padded(RAGGED[:8])
+    assert torch.equal(plain(target, wide, max_new_tokens=30, assistant_model=drafter),
+                       plain(target, wide, max_new_tokens=30))
+    assert drafter.speculation_stats.speculative_forwards == 0 and drafter.speculation_stats.fallbacks == 1
+
+
+def test_batch_shapes_price_a_batch_as_one_block_of_all_its_tokens():
+    from hf_eagle31.tuning import batch_shapes
+
+    # verify cost linear in tokens, 10 ms + 1 ms per token, with a noisy 3-token point above the 4-token one
+    curve = {n: 0.010 + 0.001 * n for n in (1, 2, 4, 8, 16)} | {3: 0.02}
+    report = {"verify_seconds": curve, "draft_seconds": {1: {2: 0.0, 6: 0.0}},
+              "candidates": [{"tree_top_k": 1, "tree_depth": 2, "tree_total_tokens": 2, "tau": 2.0},
+                             {"tree_top_k": 1, "tree_depth": 6, "tree_total_tokens": 6, "tau": 2.8}]}
+    shapes = batch_shapes(report, (2, 3, 8))
+    # batch 2: chain 6 -> 2.8 x t(2) / t(14) = 2.8 x 0.012 / 0.024 = 1.4; chain 2 -> 2 x 0.012 / t(6) = 1.5
+    assert shapes["2"]["tree_depth"] == 2 and shapes["2"]["speedup"] == pytest.approx(1.5)
+    # batch 3: t(3) is the 4-token cost (more tokens never cost less), not the noisy 0.02
+    assert shapes["3"]["speedup"] == pytest.approx(2 * 0.014 / 0.019)
+    # batch 8: chain 2 -> 2 x 0.018 / t(24), extrapolated along the last slope to 0.034
+    assert shapes["8"]["tree_depth"] == 2 and shapes["8"]["speedup"] == pytest.approx(2 * 0.018 / 0.034)
+
+
 @pytest.fixture(scope="module", params=MODES)
 def batched_samples(request):
     """3-token continuations of two ragged rows, sampled together, from many seeds."""

@@ -48,6 +48,18 @@ def test_eagle3_card_and_acceptance_table_from_benchmark_file(tmp_path):
     assert "| teacher-forced | – | – | 0.750 | 0.500 | – |" in card.text
 
 
+def test_a_bench_results_file_gives_the_drafters_own_rows(drafter_dir):
+    """`hf-eagle31 bench` writes every method of a run; an EAGLE 3.1 card keeps the EAGLE 3.1 ones."""
+    methods = [{"name": "target alone", "tau": 1.0, "speedup": 1.0, "acceptance_per_depth": []},
+               {"name": "EAGLE-3 tree", "tau": 1.9, "speedup": 1.08, "acceptance_per_depth": [0.7]},
+               {"name": "EAGLE 3.1 tree", "tau": 2.17, "speedup": 1.17, "acceptance_per_depth": [0.79, 0.4]}]
+    card = write_model_card(drafter_dir, benchmark={"command": "hf-eagle31 bench", "methods": methods})
+    assert "| EAGLE 3.1 tree | 2.170 | 1.170 | 0.790 | 0.400 |" in card.text
+    assert "EAGLE-3 tree" not in card.text and "target alone" not in card.text
+    with pytest.raises(ValueError, match="no EAGLE 3.1 method"):
+        write_model_card(drafter_dir, benchmark={"methods": methods[:2]})
+
+
 def test_training_args_fill_the_card(drafter_dir):
     (drafter_dir / "training_args.json").write_text(json.dumps({"target": "acme/base", "steps": 100, "resume": False}))
     card = write_model_card(drafter_dir)

@@ -42,6 +42,7 @@ from hf_eagle31.training.trainer import drafter_config_for
 from hf_eagle31.tuning import tune_drafter
 
 HERE = Path(__file__).parent
+BENCH = HERE.parents[1] / "docs" / "bench" / "smollm2" / "results.json"  # `hf-eagle31 bench --pair smollm2`
 TARGET = "smollm2-135m-instruct"
 ARCHITECTURES = {"eagle3": "eagle3", "eagle3.1": "eagle31"}  # --arch -> shipped folder
 BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=5, batch_size=2, lr=5e-4, max_length=1024,
@@ -180,7 +181,8 @@ def ship(target, tokenizer, work: Path) -> None:
         arguments = json.loads((work / name / "training_args.json").read_text()) | SHIPPED_PROVENANCE
         (HERE / name / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
         (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
-        write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+        bench = BENCH if BENCH.exists() else None  # the cards carry the drafters' measured rows once there are some
+        write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", benchmark=bench)
         print(f"{name}: chosen {report.choice}")
 
 

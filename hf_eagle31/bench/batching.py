@@ -1,5 +1,8 @@
 """`hf-eagle31 bench --batch-sizes 1,4,8,16`: plain batched `generate` against batched EAGLE decoding.
 
+EAGLE runs as the drafter's chain and tree at every batch size, and with the shape tuning chose for
+each batch size (`batch_shapes` in its generation config, see `hf_eagle31.tuning.batch_shapes`).
+
 The same prompts run at every batch size, left-padded into batches of that size in order, each
 method after one untimed warm-up batch, all in one process. Tokens per second count every row's
 new tokens up to its stop; speedups are over plain batched `generate` at the same batch size.
@@ -89,8 +92,12 @@ def run_batched_study(target, tokenizer, drafters: dict, texts: list[str], encod
     if drafter is None:
         raise ValueError("--batch-sizes compares EAGLE decoding with plain generate: give a drafter (--eagle31)")
     name = "EAGLE 3.1" if "EAGLE 3.1" in drafters else next(iter(drafters))
+    untuned = {"batch_shapes": None}  # the drafter's own chain / tree at every batch size
     methods = [Method("plain generate")] + [
-        Method(f"{name} {mode}", {"assistant_model": drafter}, {"speculation_mode": mode}) for mode in ("chain", "tree")]
+        Method(f"{name} {mode}", {"assistant_model": drafter}, {"speculation_mode": mode, **untuned})
+        for mode in ("chain", "tree")]
+    if getattr(drafter.generation_config, "batch_shapes", None):
+        methods.append(Method(f"{name} tuned per batch size", {"assistant_model": drafter}))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = run_batch_sizes(target, [encode(t) for t in texts], methods, sizes, args.max_new_tokens, pad)
     out = Path(args.out)
