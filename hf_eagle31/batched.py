@@ -112,6 +112,15 @@ def _block(rows: list[Row], trees: list[DraftTree], key_mask: torch.Tensor, pad:
     return tokens, positions, torch.cat([past, tree_mask], dim=2)[:, None]
 
 
+def verify_rows(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over every row's block: float logits `[B, n, V]` and the drafter's features."""
+    eager = model.config._attn_implementation == EAGER_ATTENTION_NAME  # eager attention adds its mask
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=additive_mask(mask, model.dtype) if eager
+                else mask, past_key_values=cache, use_cache=True, output_hidden_states=capture_request(layer_ids))
+    return out.logits.float(), select_features(out.hidden_states, layer_ids)
+
+
 def compact_rows(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Tensor:
     """Pack each row's kept block entries (`kept[b]`, ascending) at `start`, cut the block to the longest.
 
@@ -161,7 +170,6 @@ def eagle_batched_decoding(
     layer_ids = drafter.config.target_layer_ids
     cache = model_kwargs["past_key_values"]
     do_sample = bool(generation_config.do_sample)
-    eager = model.config._attn_implementation == EAGER_ATTENTION_NAME
     stats = SpeculationStats(mode=mode)
     drafter.speculation_stats = stats
     pad = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
@@ -213,11 +221,7 @@ def eagle_batched_decoding(
         drafted = time.perf_counter()
         tokens, positions, mask = _block(rows, trees, key_mask, pad)
         cached = cache.get_seq_length()
-        out = model(input_ids=tokens, position_ids=positions,
-                    attention_mask=additive_mask(mask, model.dtype) if eager else mask,
-                    past_key_values=cache, use_cache=True, output_hidden_states=capture_request(layer_ids))
-        logits = out.logits.float()
-        features = select_features(out.hidden_states, layer_ids)
+        logits, features = verify_rows(model, cache, tokens, positions, mask, layer_ids)
         kept, emitted, accepted = [], 0, []
         for b, (row, tree) in enumerate(zip(rows, trees)):
             walked = walk(children_by_token(tree), 0, lambda node, b=b, row=row: emit(row, logits[b, node]),

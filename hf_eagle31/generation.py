@@ -474,6 +474,8 @@ def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits
     if shape is not None and shape["speedup"] < 1.0:
         drafter.speculation_stats = SpeculationStats(mode=mode, fallbacks=1)
         return model._sample(input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+    monitor = CollapseMonitor(enabled=bool(speculation_setting(drafter, "collapse_fallback")))
+    monitor.plain_left = 1  # time a plain step of this batch first: it is what speculation must beat
     settings = {name: speculation_setting(drafter, name) for name in
                 ("tree_top_k", "tree_depth", "tree_total_tokens", "num_assistant_tokens")}
     if shape is not None:
@@ -486,7 +488,7 @@ def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits
         total_tokens=settings["tree_total_tokens"],
         choose=_draft_sampler(drafter, bool(generation_config.do_sample), generation_config.temperature or 1.0),
         controller=_length_controller(drafter, settings["tree_depth" if mode == "tree" else "num_assistant_tokens"]),
-        monitor=CollapseMonitor(enabled=bool(speculation_setting(drafter, "collapse_fallback"))),
+        monitor=monitor,
         **model_kwargs)
 
 

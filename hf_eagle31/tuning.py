@@ -91,24 +91,66 @@ def verify_cost_curve(
 
 
 @torch.no_grad()
-def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int = 256, repeats: int = 5) -> float:
-    """Seconds to draft one EAGLE-2 tree of `depth` levels (catch-up on one accepted token included)."""
+def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int = 256, repeats: int = 5,
+               batch_size: int = 1) -> float:
+    """Seconds to draft one EAGLE-2 tree of `depth` levels in each of `batch_size` rows (catch-up on one accepted
+    token per row included)."""
     device = drafter.device
     width = 3 * drafter.config.target_hidden_size
-    features = torch.randn(1, context, width, device=device, dtype=drafter.dtype)
-    tokens = torch.randint(3, drafter.config.vocab_size, (1, context), device=device)
-    state = DrafterState(drafter)
-    state.push(features, tokens)
+    features = torch.randn(batch_size, context, width, device=device, dtype=drafter.dtype)
+    tokens = torch.randint(3, drafter.config.vocab_size, (batch_size, context), device=device)
+    state = DrafterState(drafter, batch_size)
+    for row in range(batch_size):
+        state.push(features[row : row + 1], tokens[row : row + 1], row)
     state.catch_up()
 
     def one_tree():
         state.length -= 1
         state.positions -= 1
-        state.push(features[:, -1:], tokens[:, -1:])
-        draft_tree(state, tokens[0, -1:], depth, top_k, 10**6)
+        for row in range(batch_size):
+            state.push(features[row : row + 1, -1:], tokens[row : row + 1, -1:], row)
+        draft_tree(state, tokens[:, -1], depth, top_k, 10**6)
 
     one_tree()
     return _best_of(one_tree, repeats)
+
+
+BATCH_SIZES = (2, 4, 8, 16)
+BATCH_BLOCK_SIZES = (*range(1, 10), 12, 16)  # tokens per row of a batched verify block, the root included
+
+
+@torch.no_grad()
+def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list[int], max_depth: int,
+                batch_sizes: tuple[int, ...] = BATCH_SIZES, context: int = 256, repeats: int = 3) -> dict:
+    """Seconds per batched verify forward (B rows of n tokens) and per batched draft, run as batched decoding runs them.
+
+    Measured, not scaled from one row: on a CPU a batch makes the target's step compute-bound, so
+    the extra tokens of a draft cost more than they do for one row.
+    """
+    from hf_eagle31.batched import verify_rows
+
+    device, vocab = target.device, target.config.get_text_config().vocab_size
+    verify, draft = {}, {}
+    with eagle_verification(target):
+        for batch in batch_sizes:
+            cache = DynamicCache(config=target.config)
+            target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
+            verify[batch] = {}
+            for n in BATCH_BLOCK_SIZES:
+                tokens = torch.randint(3, vocab, (batch, n), device=device)
+                positions = (context + torch.arange(n, device=device)).expand(batch, n)
+                mask = torch.ones(n, context + n, dtype=torch.bool, device=device).tril(context)
+                mask = mask.expand(batch, 1, n, context + n)
+
+                def forward():
+                    verify_rows(target, cache, tokens, positions, mask, drafter.config.target_layer_ids)
+                    cache.crop(-n)
+
+                forward()  # warm-up
+                verify[batch][n] = _best_of(forward, repeats)
+            draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch) for d in range(1, max_depth + 1)}
+                            for k in top_ks}
+    return {"verify_seconds": verify, "draft_seconds": draft}
 
 
 def projected_tau(accepted_ranks: list[list[int]], total_tokens: int, depth: int) -> float:
@@ -156,6 +198,7 @@ class TuningReport:
     draft_seconds: dict[int, dict[int, float]]  # top_k -> depth -> seconds per tree
     candidates: list[dict] = field(default_factory=list)  # shape, tau, predicted speedup
     calibration_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # top_k -> ranks
+    batch_costs: dict = field(default_factory=dict)  # see `batch_costs`
 
     def best(self, chain: bool) -> dict:
         """The fastest predicted chain (top_k 1) or tree (top_k > 1); {} if there is none."""
@@ -176,6 +219,7 @@ class TuningReport:
             "best_chain": self.best(chain=True),
             "best_tree": self.best(chain=False),
             "calibration_ranks": self.calibration_ranks,
+            "batch_costs": self.batch_costs,
         }
 
 
@@ -215,39 +259,26 @@ def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, d
     return candidates
 
 
-BATCH_SIZES = (2, 4, 8, 16, 32)
+def batch_shapes(report: dict) -> dict[str, dict]:
+    """The shape predicted fastest at each batch size, from the batched costs measured by `batch_costs` and the
+    acceptance calibrated for one row.
 
-
-def _cost(curve: dict[int, float], n: int) -> float:
-    """t(n) from the measured verify curve: linear between measured sizes, and past the largest along its last slope."""
-    sizes = sorted(curve)
-    if n in curve:
-        return curve[n]
-    upper = next((s for s in sizes if s > n), None)
-    low, high = (sizes[-2], sizes[-1]) if upper is None else (max(s for s in sizes if s < n), upper)
-    return curve[low] + (curve[high] - curve[low]) * (n - low) / (high - low)
-
-
-def batch_shapes(report: dict, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict[str, dict]:
-    """The shape predicted fastest at each batch size, from the costs and acceptance measured for one row.
-
-    Verifying B rows of n tokens costs about what one block of B x n tokens costs (the linear layers
-    see as many rows), so t(B x n) from the verify curve prices it, and a drafter forward over B rows
-    is priced by the same curve, t(B x width) / t(width). Acceptance is the measured per-row one: a
-    batch waits for its slowest row, so measured gains (`hf-eagle31 bench --batch-sizes`) come out
-    lower. A batch size where no shape is predicted to beat plain decoding gets its best shape with
-    its `speedup` below 1, and batched decoding then decodes plainly.
+    A batch waits for its slowest row, so measured gains (`hf-eagle31 bench --batch-sizes`) come out
+    lower than predicted. A batch size where no shape is predicted to beat plain decoding keeps its
+    best shape with its `speedup` below 1, and batched decoding then decodes plainly.
     """
-    measured = {int(n): t for n, t in report["verify_seconds"].items()}
-    curve = {n: min(t for m, t in measured.items() if m >= n) for n in measured}  # more tokens never cost less: noise
-    drafts = {int(k): {int(d): t for d, t in depths.items()} for k, depths in report["draft_seconds"].items()}
     shapes = {}
-    for batch in batch_sizes:
+    for batch, verify in report["batch_costs"]["verify_seconds"].items():
+        verify = {int(n): t for n, t in verify.items()}
+        drafts = report["batch_costs"]["draft_seconds"][batch]
         best = None
         for c in report["candidates"]:
             width, depth, n = c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"] + 1
-            draft = drafts[width][depth] * _cost(curve, batch * width) / _cost(curve, width)
-            speedup = c["tau"] * _cost(curve, batch) / (_cost(curve, batch * n) + draft)
+            draft = drafts.get(width, drafts.get(str(width), {}))
+            draft = draft.get(depth, draft.get(str(depth)))
+            if n not in verify or draft is None:
+                continue
+            speedup = c["tau"] * verify[1] / (verify[n] + draft)
             if best is None or speedup > best["speedup"]:
                 best = {"tree_top_k": width, "tree_depth": depth, "tree_total_tokens": n - 1, "speedup": speedup}
         shapes[str(batch)] = best
@@ -275,15 +306,30 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     config.max_speculation_depth = max(chain.get("tree_depth", 1), tree.get("tree_depth", 1))
     config.speculation_mode = "chain" if choice["tree_top_k"] == 1 else "tree"
     config.dynamic_speculation = False
-    config.batch_shapes = batch_shapes(report)
+    config.batch_shapes = batch_shapes(report) if report.get("batch_costs") else None
+
+
+BATCH_MAX_DEPTH = 8  # deeper drafts never paid at a batch size above one here
 
 
 def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],
                  max_new_tokens: int = 96, top_ks: tuple[int, ...] = (1, 3, 10), max_depth: int = 12,
-                 max_tokens: int = 64) -> TuningReport:
-    """Calibrate on `prompts` (token ids), measure this device's costs, choose a shape and apply it."""
+                 max_tokens: int = 64, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> TuningReport:
+    """Calibrate on `prompts` (token ids), measure this device's costs, choose a shape and apply it; the same for
+    each of `batch_sizes` (their shapes go to `batch_shapes`)."""
     ranks = {k: calibrate(target, drafter, prompts, max_new_tokens, k, max_depth, max_depth if k == 1 else max_tokens)
              for k in top_ks}
     report = choose_tree_shape(target, drafter, ranks, max_depth, max_tokens)
+    if batch_sizes:
+        report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes)
     apply_choice(drafter, report)
+    return report
+
+
+def tune_batch_sizes(target: PreTrainedModel, drafter: Eagle3DraftModel, report: dict,
+                     batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict:
+    """Add batched costs to a saved tuning report (its calibrated acceptance kept) and store `batch_shapes`."""
+    top_ks = sorted({c["tree_top_k"] for c in report["candidates"]})
+    report = {**report, "batch_costs": batch_costs(target, drafter, top_ks, BATCH_MAX_DEPTH, batch_sizes)}
+    drafter.generation_config.batch_shapes = batch_shapes(report)
     return report

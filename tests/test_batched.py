@@ -129,21 +129,31 @@ def test_the_shape_tuned_for_the_batch_size_is_used_and_plain_decoding_where_non
     assert drafter.speculation_stats.speculative_forwards == 0 and drafter.speculation_stats.fallbacks == 1
 
 
-def test_batch_shapes_price_a_batch_as_one_block_of_all_its_tokens():
+def test_batch_shapes_pick_the_fastest_shape_from_measured_batch_costs():
     from hf_eagle31.tuning import batch_shapes
 
-    # verify cost linear in tokens, 10 ms + 1 ms per token, with a noisy 3-token point above the 4-token one
-    curve = {n: 0.010 + 0.001 * n for n in (1, 2, 4, 8, 16)} | {3: 0.02}
-    report = {"verify_seconds": curve, "draft_seconds": {1: {2: 0.0, 6: 0.0}},
-              "candidates": [{"tree_top_k": 1, "tree_depth": 2, "tree_total_tokens": 2, "tau": 2.0},
-                             {"tree_top_k": 1, "tree_depth": 6, "tree_total_tokens": 6, "tau": 2.8}]}
-    shapes = batch_shapes(report, (2, 3, 8))
-    # batch 2: chain 6 -> 2.8 x t(2) / t(14) = 2.8 x 0.012 / 0.024 = 1.4; chain 2 -> 2 x 0.012 / t(6) = 1.5
-    assert shapes["2"]["tree_depth"] == 2 and shapes["2"]["speedup"] == pytest.approx(1.5)
-    # batch 3: t(3) is the 4-token cost (more tokens never cost less), not the noisy 0.02
-    assert shapes["3"]["speedup"] == pytest.approx(2 * 0.014 / 0.019)
-    # batch 8: chain 2 -> 2 x 0.018 / t(24), extrapolated along the last slope to 0.034
-    assert shapes["8"]["tree_depth"] == 2 and shapes["8"]["speedup"] == pytest.approx(2 * 0.018 / 0.034)
+    candidates = [{"tree_top_k": 1, "tree_depth": 2, "tree_total_tokens": 2, "tau": 2.0},
+                  {"tree_top_k": 1, "tree_depth": 6, "tree_total_tokens": 6, "tau": 2.8},
+                  {"tree_top_k": 1, "tree_depth": 12, "tree_total_tokens": 12, "tau": 9.0}]  # never measured batched
+    costs = {"verify_seconds": {"2": {"1": 0.010, "3": 0.014, "7": 0.020}, "8": {"1": 0.020, "3": 0.040, "7": 0.080}},
+             "draft_seconds": {"2": {"1": {"2": 0.001, "6": 0.004}}, "8": {"1": {"2": 0.002, "6": 0.008}}}}
+    shapes = batch_shapes({"candidates": candidates, "batch_costs": costs})
+    # batch 2: chain 2 -> 2 x 0.010 / 0.015 = 1.33; chain 6 -> 2.8 x 0.010 / 0.024 = 1.17
+    assert shapes["2"]["tree_depth"] == 2 and shapes["2"]["speedup"] == pytest.approx(2 * 0.010 / 0.015)
+    # batch 8: chain 2 -> 2 x 0.020 / 0.042 = 0.95: nothing pays, so batched decoding decodes plainly there
+    assert shapes["8"]["tree_depth"] == 2 and shapes["8"]["speedup"] == pytest.approx(2 * 0.020 / 0.042)
+
+
+def test_tuning_measures_batched_costs_and_stores_a_shape_per_batch_size():
+    from hf_eagle31.tuning import tune_drafter
+
+    target, drafter = trained_pair("llama", True)
+    report = tune_drafter(target, drafter, [PROMPTS[0:1]], max_new_tokens=12, top_ks=(1, 2), max_depth=3,
+                          max_tokens=6, batch_sizes=(2, 4))
+    shapes = drafter.generation_config.batch_shapes
+    assert set(shapes) == {"2", "4"} and set(report.batch_costs["verify_seconds"][4]) >= {1, 4}
+    for shape in shapes.values():
+        assert shape["tree_depth"] <= 3 and shape["speedup"] > 0
 
 
 @pytest.fixture(scope="module", params=MODES)
