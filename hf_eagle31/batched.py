@@ -1,14 +1,14 @@
 """Batched EAGLE decoding: several prompts, left-padded and ragged, through one target forward per step.
 
-Each row drafts its own chain or tree from its own drafter state; the drafts go through one target
-forward with a per-row mask; each row walks its own draft with the acceptance of verification.py
-(`accept_path`), so it accepts its own number of tokens. The target's cache stays rectangular
-without moving anything already cached: a step keeps, per row, the entries of the tokens that row
-accepted, packed at the start of the step's block, and the block is cut to the longest of them.
-The shorter rows' surplus entries stay in the cache as holes that `key_mask` hides from every
-later query, and `positions` counts each row's real tokens, so a row sees exactly what it would
-see alone. A row that stops leaves the batch (its cache rows are dropped); the output is padded
-as plain `generate` pads it.
+Every row drafts its own chain or tree (one drafter forward per level for the batch, see
+`DrafterState`); the drafts go through one target forward with a per-row mask; each row walks its
+own draft with verification.py's acceptance walk (`walk`), so it accepts its own number of tokens.
+The target's cache stays rectangular without moving anything already cached: a step keeps, per
+row, the entries of the tokens that row accepted, packed at the start of the step's block, and the
+block is cut to the longest of them. The shorter rows' surplus entries stay in the cache as holes
+that `key_mask` hides from every later query, and positions count each row's real tokens, so a row
+sees exactly what it would see alone. A row that stops leaves the batch (its cache rows are
+dropped); the output is padded as plain `generate` pads it.
 
 Sliding-window layers index their window over cache entries, which holes would shift: such
 targets decode batched prompts one at a time, refused by name here.
@@ -144,6 +144,20 @@ def compact_rows(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Te
     return real
 
 
+def _leave(rows: list[Row], finished: list[Row], cache: Cache, state: DrafterState, key_mask: torch.Tensor):
+    """Move the rows that stopped to `finished` and drop their cache rows; return the others and their key mask."""
+    keep = [b for b, row in enumerate(rows) if not row.stopped]
+    if len(keep) == len(rows):
+        return rows, key_mask
+    finished += [row for row in rows if row.stopped]
+    if keep:
+        index = torch.tensor(keep, dtype=torch.long, device=key_mask.device)
+        cache.batch_select_indices(index)
+        state.select(index)
+        key_mask = key_mask[index]
+    return [rows[b] for b in keep], key_mask
+
+
 @torch.no_grad()
 def eagle_batched_decoding(
     model: PreTrainedModel,
@@ -164,7 +178,8 @@ def eagle_batched_decoding(
     """Decode every row of `input_ids` with EAGLE drafts; rows equal plain batched `generate` row for row.
 
     The speculation settings come from generation.py, read from the drafter's generation config:
-    `controller` sets the draft depth (chain length), `choose` picks a chain's draft tokens. Runs inside `eagle_verification(model)` (the `generate` routing takes care of it).
+    `controller` sets the draft depth (chain length), `choose` picks a chain's draft tokens. Runs
+    inside `eagle_verification(model)` (the `generate` routing takes care of it).
     """
     check_batch(model, generation_config, streamer)
     layer_ids = drafter.config.target_layer_ids
@@ -203,13 +218,8 @@ def eagle_batched_decoding(
         state.push(features[b : b + 1, real.to(features.device)], row.sequence[:, start + 1 :][:, real], b)
         rows.append(row)
     stats.per_row = [row.stats for row in rows]
-    finished = [row for row in rows if row.stopped]
-    rows = [row for row in rows if not row.stopped]
-    if finished and rows:
-        keep = torch.tensor([row.index for row in rows], dtype=torch.long, device=input_ids.device)
-        cache.batch_select_indices(keep)
-        state.select(keep)
-        key_mask = key_mask[keep]
+    finished: list[Row] = []
+    rows, key_mask = _leave(rows, finished, cache, state, key_mask)
 
     while rows:
         began = time.perf_counter()
@@ -248,15 +258,7 @@ def eagle_batched_decoding(
             stats.plain_steps += 1
             stats.plain_seconds += done - began
             monitor.record_plain(done - began)
-        if any(row.stopped for row in rows):
-            keep = [b for b, row in enumerate(rows) if not row.stopped]
-            finished += [row for row in rows if row.stopped]
-            rows = [rows[b] for b in keep]
-            if rows:
-                index = torch.tensor(keep, dtype=torch.long, device=input_ids.device)
-                cache.batch_select_indices(index)
-                state.select(index)
-                key_mask = key_mask[index]
+        rows, key_mask = _leave(rows, finished, cache, state, key_mask)
 
     finished.sort(key=lambda row: row.index)
     length = max(row.sequence.shape[1] for row in finished)

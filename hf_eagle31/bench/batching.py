@@ -60,8 +60,8 @@ def run_batch_sizes(target, prompts: list[list[int]], methods: list[Method], siz
                     seconds += time.perf_counter() - started
                     outputs.append(out)
                     tokens += new_tokens(out, batch["input_ids"].shape[1], eos)
-                    if drafter is not None:
-                        stats = drafter.speculation_stats
+                    stats = drafter.speculation_stats if drafter is not None else None
+                    if stats is not None and stats.speculative_forwards:  # else the batch was decoded plainly
                         taus += [row.tau for row in stats.per_row] if stats.per_row else [stats.tau]
             reference = reference or outputs
             rate = tokens / seconds
@@ -77,7 +77,8 @@ def run_batch_sizes(target, prompts: list[list[int]], methods: list[Method], siz
 def batch_table(rows: list[dict]) -> str:
     lines = ["| batch | method | tokens/s | speedup | tau per row | identical |", "|---|---|---|---|---|---|"]
     for r in rows:
-        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "1.00"
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else ("1.00" if r["method"] == "plain generate" else
+                                                             "plain (tuned: no shape pays)")
         lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
                      f"{tau} | {'yes' if r['identical'] else 'NO'} |")
     return "\n".join(lines)
