@@ -35,7 +35,15 @@ from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
-from hf_eagle31.verification import EAGER_ATTENTION_NAME, UnsupportedTargetError, additive_mask, children_by_token, walk
+from hf_eagle31.verification import (
+    EAGER_ATTENTION_NAME,
+    UnsupportedTargetError,
+    additive_mask,
+    children_by_token,
+    has_sliding_window,
+    pick_token,
+    walk,
+)
 
 
 @dataclass
@@ -52,8 +60,7 @@ class Row:
 
 def check_batch(target: PreTrainedModel, generation_config: GenerationConfig, streamer) -> None:
     """Refuse, by name and before any work, what batched EAGLE decoding cannot do."""
-    text = target.config.get_text_config()
-    if getattr(text, "sliding_window", None) or "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+    if has_sliding_window(target.config.get_text_config()):
         raise UnsupportedTargetError(
             f"batched EAGLE decoding does not support sliding-window attention ({type(target).__name__}): "
             "generate one prompt at a time with this target")
@@ -192,10 +199,7 @@ def eagle_batched_decoding(
     def emit(row: Row, logits: torch.Tensor) -> tuple[int, bool]:
         """Pick the row's next token exactly as plain `generate` does for that row, and record it."""
         scores = row.processors(row.sequence, logits[None])
-        if do_sample:
-            token = torch.multinomial(torch.softmax(scores, dim=-1), 1)
-        else:
-            token = scores.argmax(dim=-1, keepdim=True)
+        token = pick_token(scores, do_sample)
         row.sequence = torch.cat([row.sequence, token.to(row.sequence.device)], dim=1)
         row.position += 1
         return int(token), bool(stopping_criteria(row.sequence, scores).any())

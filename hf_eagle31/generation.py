@@ -40,7 +40,9 @@ from hf_eagle31.verification import (
     UnsupportedTargetError,
     VerifyPlan,
     exact_mode_hooks,
+    has_sliding_window,
     leave_exact_mode,
+    pick_token,
     verify_tree,
     verifying_attention,
 )
@@ -327,8 +329,8 @@ def check_target(target: PreTrainedModel) -> None:
         raise UnsupportedTargetError(
             f"EAGLE cannot verify {name}: it has {', '.join(unsupported)} layers, and EAGLE verifies a draft tree and "
             f"rolls it back only in {' and '.join(SUPPORTED_LAYER_TYPES)} layers; generate without the drafter")
-    windowed = getattr(text, "sliding_window", None) or "sliding_attention" in layer_types
-    if not target._can_set_attn_implementation() and (target.config._attn_implementation != "sdpa" or windowed):
+    if not target._can_set_attn_implementation() and (target.config._attn_implementation != "sdpa"
+                                                       or has_sliding_window(text)):
         raise UnsupportedTargetError(
             f"EAGLE cannot verify {name}: its attention does not go through transformers' AttentionInterface, and "
             f"without it only SDPA attention with no sliding window takes a tree mask (it runs "
@@ -387,10 +389,7 @@ def eagle_tree_decoding(
         """Pick the next token from the target's logits exactly as plain `generate` does, and record it."""
         ids = torch.cat(sequence, dim=1) if len(sequence) > 1 else sequence[0]
         scores = logits_processor(ids, logits[None])
-        if do_sample:
-            token = torch.multinomial(torch.softmax(scores, dim=-1), 1)
-        else:
-            token = scores.argmax(dim=-1, keepdim=True)
+        token = pick_token(scores, do_sample)
         sequence[:] = [torch.cat([ids, token], dim=1)]
         if scores_out is not None:
             scores_out.append(scores)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hf_eagle31.batched import verify_rows
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.generation import eagle_verification, verify_mode
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -127,8 +128,6 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     Measured, not scaled from one row: on a CPU a batch makes the target's step compute-bound, so
     the extra tokens of a draft cost more than they do for one row.
     """
-    from hf_eagle31.batched import verify_rows
-
     device, vocab = target.device, target.config.get_text_config().vocab_size
     verify, draft = {}, {}
     with eagle_verification(target):
@@ -268,17 +267,16 @@ def batch_shapes(report: dict) -> dict[str, dict]:
     best shape with its `speedup` below 1, and batched decoding then decodes plainly.
     """
     shapes = {}
-    for batch, verify in report["batch_costs"]["verify_seconds"].items():
+    costs = report["batch_costs"]
+    for batch, verify in costs["verify_seconds"].items():  # keys are strings once a report went through JSON
         verify = {int(n): t for n, t in verify.items()}
-        drafts = report["batch_costs"]["draft_seconds"][batch]
+        drafts = {(int(k), int(d)): t for k, depths in costs["draft_seconds"][batch].items() for d, t in depths.items()}
         best = None
         for c in report["candidates"]:
             width, depth, n = c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"] + 1
-            draft = drafts.get(width, drafts.get(str(width), {}))
-            draft = draft.get(depth, draft.get(str(depth)))
-            if n not in verify or draft is None:
+            if n not in verify or (width, depth) not in drafts:
                 continue
-            speedup = c["tau"] * verify[1] / (verify[n] + draft)
+            speedup = c["tau"] * verify[1] / (verify[n] + drafts[width, depth])
             if best is None or speedup > best["speedup"]:
                 best = {"tree_top_k": width, "tree_depth": depth, "tree_total_tokens": n - 1, "speedup": speedup}
         shapes[str(batch)] = best

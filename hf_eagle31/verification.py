@@ -45,6 +45,19 @@ class UnsupportedTargetError(ValueError):
     """The target's architecture cannot be verified exactly by EAGLE (raised before decoding starts)."""
 
 
+def has_sliding_window(text_config) -> bool:
+    """Whether any layer of this (text) config attends over a sliding window."""
+    return bool(getattr(text_config, "sliding_window", None)) or \
+        "sliding_attention" in (getattr(text_config, "layer_types", None) or ())
+
+
+def pick_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The next token `[1, 1]` from processed scores `[1, V]`, as plain `generate` picks it: a sample or the argmax."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1)
+    return scores.argmax(dim=-1, keepdim=True)
+
+
 @functools.lru_cache(maxsize=64)
 def _causal_mask(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()  # read only: shared by every call

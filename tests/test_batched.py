@@ -10,6 +10,7 @@ from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401
+from hf_eagle31.bench.batching import left_padded as pad_left
 from hf_eagle31.verification import UnsupportedTargetError
 
 MODES = ["chain", "tree"]
@@ -18,9 +19,7 @@ PAD = 0
 
 def left_padded(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
     """What a tokenizer with `padding_side="left"` returns for these prompts."""
-    width = max(len(p) for p in prompts)
-    return {"input_ids": torch.tensor([[PAD] * (width - len(p)) + p for p in prompts]),
-            "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
+    return pad_left(prompts, PAD, "cpu")
 
 
 # memorised prompts (long accepted paths), prefixes and extensions (rejections), one token

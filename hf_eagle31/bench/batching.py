@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_eagle31.bench.runner import Method
+from hf_eagle31.training.data import eos_ids
 from hf_eagle31.tuning import speculation_settings
 
 
@@ -41,8 +42,7 @@ def new_tokens(out: torch.Tensor, prompt_width: int, eos: set[int]) -> int:
 def run_batch_sizes(target, prompts: list[list[int]], methods: list[Method], sizes: list[int], max_new_tokens: int,
                     pad: int) -> list[dict]:
     """One row per (batch size, method): tokens/s, speedup over the first method, tau, identical outputs."""
-    eos = target.generation_config.eos_token_id
-    eos = set([eos] if isinstance(eos, int) else (eos or []))
+    eos = eos_ids(target)
     kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, "pad_token_id": pad}
     rows = []
     for size in sizes:
