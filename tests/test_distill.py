@@ -130,3 +130,41 @@ def test_a_missing_wheel_names_the_pip_command(monkeypatch, tmp_path):
         load_packaged_model("nothing")
     with pytest.raises(ValueError, match="unknown packaged model 'smollm3'"):
         load_packaged_model("smollm3")
+
+
+def test_given_answers_are_the_records_own_in_the_chat_template_and_nothing_is_generated(target, tmp_path,
+                                                                                           monkeypatch):
+    tokenizer = make_tokenizer()
+    end = tokenizer.eos_token_id
+    assert end in distill.eos_ids(target)
+    records = [{"conversations": [{"from": "human", "value": "ab"}, {"from": "gpt", "value": "cd ef"},
+                                  {"from": "human", "value": "gh"}, {"from": "gpt", "value": "ij"}]},
+               {"conversations": [{"from": "human", "value": "kl"}, {"from": "gpt", "value": "mn " * 40},
+                                  {"from": "human", "value": "never asked: the answer before it was cut"}]},
+               {"conversations": [{"from": "human", "value": "op"}, {"from": "human", "value": "unanswered"}]}]
+    conversations = read_examples(records).conversations
+    assert [c.answers for c in conversations] == [["cd ef", "ij"], ["mn " * 40], []]
+    monkeypatch.setattr(target, "generate", lambda *a, **k: pytest.fail("given answers generate nothing"))
+    settings = DistillSettings(max_length=200, max_new_tokens=12, batch_size=2)
+    sequences, report = distill_conversations(target, tokenizer, conversations, settings, given_answers=True)
+
+    def expected(turns: list[str], answers: list[str]) -> tuple[list[int], list[int]]:
+        messages, ids, mask = [], [], []
+        for turn, text in zip(turns, answers):
+            messages.append({"role": "user", "content": turn})
+            prompt = render(tokenizer, messages)
+            answer = (tokenizer(text, add_special_tokens=False)["input_ids"] + [end])[:12]
+            kept = mask if prompt[: len(ids)] == ids else []
+            mask = kept + [0] * (len(prompt) - len(kept)) + [1] * len(answer)
+            ids = prompt + answer
+            messages.append({"role": "assistant", "content": text})
+            if answer[-1] != end:
+                break
+        return ids, mask
+
+    assert (sequences[0].input_ids, sequences[0].loss_mask) == expected(["ab", "gh"], ["cd ef", "ij"])
+    assert (sequences[1].input_ids, sequences[1].loss_mask) == expected(["kl", "x"], ["mn " * 40, "y"])
+    assert report.turns == 3 and len(sequences) == 2  # the third record has no answer to learn from
+    distill_to_folder(target, tokenizer, conversations, tmp_path / "given", settings, given_answers=True)
+    with pytest.raises(ValueError, match="other conversations and answers"):
+        distill_to_folder(target, tokenizer, conversations, tmp_path / "given", settings)

@@ -65,6 +65,11 @@ def test_training_args_fill_the_card(drafter_dir):
     card = write_model_card(drafter_dir)
     assert ModelCard.load(drafter_dir / "README.md").data.base_model == "acme/base"
     assert "| steps | 100 |" in card.text and "resume" not in card.text
+    assert "Self-distillation: the target answered" in card.text
+    for answers, says in [("given", "it wrote none of them"), ("target+given", "part of the training")]:
+        (drafter_dir / "training_args.json").write_text(json.dumps({"target": "acme/base", "answers": answers}))
+        text = write_model_card(drafter_dir).text
+        assert says in text and "Self-distillation: the target answered" not in text
 
 
 def test_bad_inputs(tmp_path, drafter_dir, capsys):

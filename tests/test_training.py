@@ -379,6 +379,24 @@ def test_bad_settings_are_refused(target, tmp_path):
         train_drafter(target, [{"text": "abc"}], tmp_path, tokenizer=make_tokenizer())
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         train_drafter(target, [{"input_ids": [1, 2, 3, 999]}], tmp_path, steps=1)
+    with pytest.raises(ValueError, match="answers must be 'target'"):
+        train_drafter(target, [{"text": "abc"}], tmp_path, tokenizer=make_tokenizer(), steps=1, answers="records")
+
+
+def test_given_answers_train_on_the_records_own_answers_without_generating(target, tmp_path, monkeypatch):
+    from hf_eagle31.training.distill import load_distilled
+
+    tokenizer = make_tokenizer()
+    words = ["hello", "world", "drafts", "tokens"]
+    records = [{"conversations": [{"from": "human", "value": w}, {"from": "gpt", "value": f"the answer is {w}"}]}
+               for w in words]
+    monkeypatch.setattr(target, "generate", lambda *a, **k: pytest.fail("given answers generate nothing"))
+    train_drafter(target, records, tmp_path, tokenizer=tokenizer, steps=1, answers="given", **FAST)
+    assert json.loads((tmp_path / "training_args.json").read_text())["answers"] == "given"
+    answered, _ = load_distilled(tmp_path / "distilled")
+    for w, sequence in zip(words, answered):
+        answer = [i for i, m in zip(sequence.input_ids, sequence.loss_mask) if m]
+        assert answer == tokenizer(f"the answer is {w}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
 # --- the command ----------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--max-length", type=int, default=defaults.max_length, help="tokens per training sequence (longer ones are cut)")
     add("--answer-max-new-tokens", type=int, default=defaults.answer_max_new_tokens)
     add("--answer-temperature", type=float, default=defaults.answer_temperature, help="0: greedy answers")
+    add("--answers", choices=["target", "given"], default=defaults.answers,
+        help="target: the target writes every answer (self-distillation); given: the records' own answers")
     add("--max-turns", type=int, help="user turns answered per conversation (default: all that fit in --max-length)")
     add("--distill-batch-size", type=int, default=defaults.distill_batch_size, help="prompts per generate call")
     add("--token-budget", type=int, help="stop self-distillation at this many answer tokens (resumable)")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
     names = {"arch", "draft_vocab_size", "ttt_steps", "steps", "epochs", "acceptance_steps", "lr", "batch_size",
              "grad_accum", "max_length", "answer_max_new_tokens", "answer_temperature", "mixed_precision",
              "save_every", "feature_cache", "resume", "seed", "max_turns", "distill_batch_size", "token_budget",
-             "tune_prompts", "loss_decay", "lk_eta"}
+             "tune_prompts", "loss_decay", "lk_eta", "answers"}
     config = TrainingConfig(**{name: getattr(args, name) for name in names})
     train_drafter(target, args.data, args.out, tokenizer=tokenizer, drafter=drafter, config=config)
     print(f"saved the drafter to {Path(args.out)}")

@@ -6,7 +6,7 @@ folder of distilled `*.jsonl` chunks, or any iterable of dicts (a `datasets.Data
 dicts, so it needs no special case):
   * ShareGPT `{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}` and chat
     `{"messages": [{"role": ..., "content": ...}, ...]}`: the user turns are asked in order and the
-    target writes every answer (the record's own answers are not used);
+    target writes every answer (the record's own answers are kept aside for `answers="given"`);
   * EAGLE's question.jsonl `{"question_id", "category", "turns": [...]}`: every turn asked in order;
   * `{"text": ...}`: a finished text, used as-is (every token is a training target);
   * `{"input_ids": [...], "loss_mask": [...]}`: already tokenized (`loss_mask` optional), as in the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,11 +44,13 @@ class TrainingSequence:
 
 @dataclass
 class Conversation:
-    """What the target is asked: user turns in order, after an optional system prompt."""
+    """What the target is asked: user turns in order, after an optional system prompt; `answers` are the
+    record's own replies to them (in order, as far as the record has them)."""
 
     user_turns: list[str]
     system: str | None = None
     name: str = ""
+    answers: list[str] = field(default_factory=list)
 
 
 # --- reading records -------------------------------------------------------------------------------
@@ -107,8 +109,8 @@ def read_records(source: str | Path | Iterable[dict]) -> Iterator[dict]:
 
 
 def _conversation(turns: list, number: int, name: str) -> Conversation:
-    """ShareGPT / chat turns: user turns in order; the record's own answers are dropped."""
-    users, system = [], None
+    """ShareGPT / chat turns: user turns in order, and the first answer after each of them."""
+    users, answers, system = [], [], None
     for turn in turns:
         if not isinstance(turn, dict):
             raise ValueError(f"training record {number}: a turn is {type(turn).__name__}, not an object")
@@ -119,9 +121,11 @@ def _conversation(turns: list, number: int, name: str) -> Conversation:
                              f"'from'/'role' in {sorted(ROLES)} and a 'value'/'content' string")
         if ROLES[role] == "user" and text.strip():
             users.append(text)
+        elif ROLES[role] == "assistant" and len(answers) < len(users):
+            answers.extend([""] * (len(users) - 1 - len(answers)) + [text])  # an unanswered turn gets ""
         elif ROLES[role] == "system" and not users:
             system = text
-    return Conversation(users, system, name)
+    return Conversation(users, system, name, answers)
 
 
 def parse_record(record, number: int) -> Conversation | TrainingSequence | str | None:

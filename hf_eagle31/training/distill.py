@@ -8,6 +8,10 @@ as a chat application would send it, and answered; a conversation ends at its la
 `max_length`. Work is split into chunks of conversations, each written whole to its own file, so
 an interrupted run resumes at the first missing chunk and `token_budget` (answer tokens) bounds
 the cost up front.
+
+`given_answers=True` builds the same sequences from the records' own answers instead (EAGLE-1's
+fixed data): nothing is generated, so a token costs the feature pass alone, about a third of what
+self-distillation costs on a CPU, at the price of text the target would not have written.
 """
 
 from __future__ import annotations
@@ -90,11 +94,31 @@ def _pad_id(target: PreTrainedModel, tokenizer) -> int:
     return pad
 
 
+def given(tokenizer, dialogues: list[_Dialogue], turn: int, rooms: list[int], end: int) -> list[list[int]]:
+    """Each record's own answer to `turn` as the target would emit it (its text, then `end`), cut to its room."""
+    answers = []
+    for dialogue, room in zip(dialogues, rooms):
+        ids = tokenizer(dialogue.conversation.answers[turn], add_special_tokens=False)["input_ids"] + [end]
+        answers.append(ids[:room])
+    return answers
+
+
+def _end_id(target: PreTrainedModel, tokenizer) -> int:
+    """The token that ends the target's answers: the tokenizer's eos if the target stops on it."""
+    eos = eos_ids(target)
+    if tokenizer.eos_token_id in eos or not eos:
+        return tokenizer.eos_token_id
+    return sorted(eos)[0]
+
+
 def distill_conversations(
     target: PreTrainedModel, tokenizer, conversations: list[Conversation], settings: DistillSettings,
-    progress: tqdm | None = None,
+    progress: tqdm | None = None, given_answers: bool = False,
 ) -> tuple[list[TrainingSequence], DistillReport]:
-    """Answer every conversation turn by turn (one batched pass per turn index); one sequence each."""
+    """Answer every conversation turn by turn (one batched pass per turn index); one sequence each.
+
+    With `given_answers` the records' own answers are used and a conversation ends at its first
+    user turn without one."""
     started = time.perf_counter()
     eos = eos_ids(target)
     report = DistillReport(conversations=len(conversations))
@@ -105,6 +129,10 @@ def distill_conversations(
         asked, prompts, rooms = [], [], []
         for dialogue in dialogues:
             if not dialogue.open or turn >= len(dialogue.conversation.user_turns):
+                continue
+            if given_answers and not (turn < len(dialogue.conversation.answers)
+                                      and dialogue.conversation.answers[turn].strip()):
+                dialogue.open = False
                 continue
             messages = dialogue.messages + [{"role": "user", "content": dialogue.conversation.user_turns[turn]}]
             prompt = render(tokenizer, messages)
@@ -119,8 +147,13 @@ def distill_conversations(
             rooms.append(room)
         if not asked:
             break
-        answers = answer_prompts(target, prompts, rooms, settings.batch_size, settings.temperature,
-                                 _pad_id(target, tokenizer), progress)
+        if given_answers:
+            answers = given(tokenizer, asked, turn, rooms, _end_id(target, tokenizer))
+            if progress is not None:
+                progress.update(sum(map(len, answers)))
+        else:
+            answers = answer_prompts(target, prompts, rooms, settings.batch_size, settings.temperature,
+                                     _pad_id(target, tokenizer), progress)
         for dialogue, prompt, answer, room in zip(asked, prompts, answers, rooms):
             # earlier answers stay training targets when the re-rendered prompt extends the sequence token
             # for token (a tokenizer may merge differently across a turn boundary; then they become context)
@@ -128,7 +161,8 @@ def distill_conversations(
             dialogue.mask = kept + [0] * (len(prompt) - len(kept)) + [1] * len(answer)
             dialogue.ids = prompt + answer
             finished = bool(answer) and answer[-1] in eos
-            text = tokenizer.decode(answer[:-1] if finished else answer, skip_special_tokens=True)
+            text = (dialogue.conversation.answers[turn] if given_answers
+                    else tokenizer.decode(answer[:-1] if finished else answer, skip_special_tokens=True))
             dialogue.messages = dialogue.messages + [{"role": "assistant", "content": text}]
             dialogue.open = finished and len(answer) < room
             report.turns += 1
@@ -144,10 +178,10 @@ def distill_conversations(
     return sequences, report
 
 
-def fingerprint(conversations: list[Conversation]) -> str:
+def fingerprint(conversations: list[Conversation], with_answers: bool = False) -> str:
     digest = hashlib.sha256()
     for c in conversations:
-        digest.update(json.dumps([c.system, c.user_turns]).encode())
+        digest.update(json.dumps([c.system, c.user_turns] + ([c.answers] if with_answers else [])).encode())
     return digest.hexdigest()
 
 
@@ -161,6 +195,7 @@ def distill_to_folder(
     chunk_size: int = 256,
     process_index: int = 0,
     num_processes: int = 1,
+    given_answers: bool = False,
 ) -> tuple[list[TrainingSequence], DistillReport]:
     """Distil `conversations` in chunks into `folder`, resuming at the first missing chunk.
 
@@ -172,12 +207,14 @@ def distill_to_folder(
     settings.validate()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    manifest = {"settings": asdict(settings), "conversations": fingerprint(conversations), "chunk_size": chunk_size,
+    manifest = {"settings": asdict(settings), "conversations": fingerprint(conversations, given_answers),
+                "chunk_size": chunk_size, "answers": "given" if given_answers else "target",
                 "target": getattr(target, "name_or_path", "") or type(target).__name__}
     saved = folder / MANIFEST
     if saved.exists():
-        previous = json.loads(saved.read_text())
-        changed = [key for key in ("settings", "conversations", "chunk_size") if previous.get(key) != manifest[key]]
+        previous = {"answers": "target"} | json.loads(saved.read_text())  # older manifests: the target answered
+        changed = [key for key in ("settings", "conversations", "chunk_size", "answers")
+                   if previous.get(key) != manifest[key]]
         if changed:
             raise ValueError(f"{folder} holds distilled chunks made with other {' and '.join(changed)}; resume with "
                              "the same data and settings, or choose another folder")
@@ -193,7 +230,7 @@ def distill_to_folder(
         if token_budget is not None and progress.n >= token_budget:
             break
         sequences, report = distill_conversations(target, tokenizer, conversations[start : start + chunk_size],
-                                                  settings, progress)
+                                                  settings, progress, given_answers)
         save_sequences(sequences, path)
         with (folder / CHUNK_LOG).open("a") as log:
             log.write(json.dumps({"chunk": index, **asdict(report)}) + "\n")
@@ -259,6 +296,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--temperature", type=float, default=defaults.temperature, help="0: greedy answers")
     add("--token-budget", type=int, help="stop at this many answer tokens; rerun with a larger one to go on")
     add("--chunk-size", type=int, default=256, help="conversations per chunk file (the unit of resumption)")
+    add("--answers", choices=["target", "given"], default="target",
+        help="target: the target writes every answer; given: the records' own answers (no generation)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -273,6 +312,6 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"{args.data} holds no conversation with a user turn to answer")
     settings = DistillSettings(args.max_length, args.max_new_tokens, args.max_turns, args.batch_size, args.temperature)
     _, report = distill_to_folder(target, tokenizer, examples.conversations, args.out, settings, args.token_budget,
-                                  args.chunk_size)
+                                  args.chunk_size, given_answers=args.answers == "given")
     print(f"{args.out}: {report.conversations} conversations, {report.turns} answers, {report.answer_tokens} answer "
           f"tokens ({report.answer_tokens / max(report.seconds, 1e-9):.0f} tokens/s)")

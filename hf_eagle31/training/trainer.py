@@ -66,6 +66,7 @@ class TrainingConfig:
     max_length: int = 2048
     answer_max_new_tokens: int = 256
     answer_temperature: float = 0.0  # 0: the target answers greedily
+    answers: str = "target"  # "given": train on the records' own answers instead (no generation, EAGLE-1's data)
     max_turns: int | None = None  # user turns answered per conversation (None: all that fit in max_length)
     distill_batch_size: int = 32  # prompts per generate call while the target answers
     token_budget: int | None = None  # stop self-distillation at this many answer tokens (None: all the data)
@@ -97,6 +98,8 @@ class TrainingConfig:
             raise ValueError(f"token_budget must be a positive number of answer tokens, got {self.token_budget}")
         if self.lk_eta is not None and self.lk_eta < 0:
             raise ValueError(f"lk_eta cannot be negative, got {self.lk_eta}")
+        if self.answers not in ("target", "given"):
+            raise ValueError(f"answers must be 'target' (self-distillation) or 'given', got {self.answers!r}")
         if self.tune_prompts < 0:
             raise ValueError(f"tune_prompts cannot be negative, got {self.tune_prompts}")
 
@@ -211,7 +214,7 @@ def training_sequences(target: PreTrainedModel, data, tokenizer, config: Trainin
         )
         distill_to_folder(target, tokenizer, examples.conversations, out_dir / DISTILLED, settings,
                           config.token_budget, process_index=accelerator.process_index,
-                          num_processes=accelerator.num_processes)
+                          num_processes=accelerator.num_processes, given_answers=config.answers == "given")
         accelerator.wait_for_everyone()
         answered, report = load_distilled(out_dir / DISTILLED)
         if report.too_long:
