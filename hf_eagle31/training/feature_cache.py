@@ -59,13 +59,15 @@ class FeatureCache(torch.utils.data.Dataset):
 def _shard(target: PreTrainedModel, sequences: list[TrainingSequence], layer_ids: list[int], path: Path,
            batch_size: int, progress: tqdm) -> None:
     tensors = {}
-    for start in range(0, len(sequences), batch_size):
-        chunk = sequences[start : start + batch_size]
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].input_ids))  # batches of like lengths pad less
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        chunk = [sequences[i] for i in rows]
         batch = collate([s.as_tensors() for s in chunk])
         ids = batch["input_ids"].to(target.device)
         features, last = target_states(target, ids, batch["attention_mask"].to(target.device), layer_ids)
-        for row, s in enumerate(chunk):
-            n, name = len(s.input_ids), str(start + row)
+        for row, (i, s) in enumerate(zip(rows, chunk)):
+            n, name = len(s.input_ids), str(i)
             tensors.update({f"{name}.input_ids": batch["input_ids"][row, :n], f"{name}.loss_mask": batch["loss_mask"][row, :n],
                             f"{name}.features": features[row, :n].cpu(), f"{name}.last_hidden": last[row, :n].cpu()})
         progress.update(len(chunk))
