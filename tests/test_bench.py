@@ -1,6 +1,7 @@
 """The benchmark runner and the hardware-aware tuning, on a tiny pair."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +190,11 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert [m["name"] for m in results["methods"]][:3] == ["target alone", "assisted (small LM)", "prompt lookup"]
     assert all(m["identical_to_target"] for m in results["methods"][1:])
+    # --no-tune: the bound comes from the costs in each drafter's shipped tuning.json
+    shipped = json.loads((Path(__file__).parents[1] / "examples/demo_pair/eagle31/tuning.json").read_text())
+    assert results["tuning"]["EAGLE 3.1"]["candidates"] == shipped["candidates"]
+    assert "shipped" in results["tuning_source"]
+    assert any(m["bound"] for m in results["methods"] if m["name"].startswith("EAGLE 3.1"))
     assert cli_main(["bench", "--pair", "demo", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
     assert "none.jsonl does not exist" in capsys.readouterr().err
 

@@ -166,6 +166,17 @@ def tune(target, drafters: dict, prompts, max_new_tokens, out: Path, resume: boo
     return json.loads(saved.read_text())  # as a resumed run will read it
 
 
+def shipped_tuning(args) -> dict:
+    """With --no-tune: each drafter folder's own tuning.json (this kind of device's costs and the acceptance it was
+    tuned with when shipped), so the bound column still has the costs it needs."""
+    found = {}
+    for name, folder in (("EAGLE-3", args.eagle3), ("EAGLE 3.1", args.eagle31)):
+        saved = Path(folder) / "tuning.json" if folder else None
+        if saved is not None and saved.is_file():
+            found[name] = json.loads(saved.read_text())
+    return found
+
+
 def run_in_parts(target, measured: dict[str, list[torch.Tensor]], methods, args) -> dict:
     """Every method on each part of each dataset, parts taken in turn across datasets (an interrupted run has
     covered all of them evenly); each part's results are saved as it ends. Speedups are summed times, every
@@ -305,7 +316,12 @@ def run(args: argparse.Namespace) -> int:
         calibration = [encode(t) for t in split_prompts(read_texts(args.calibration), CALIBRATION_PROMPTS, 0)[0]]
     meta["prompts"] = {name: len(p) for name, p in measured.items()}
     out = prepare_out(args, meta)
-    tuning = {} if args.no_tune else tune(target, drafters, calibration, args.max_new_tokens, out, args.resume)
+    if args.no_tune:
+        tuning = shipped_tuning(args)
+        meta["tuning_source"] = "each drafter's tuning.json (measured when it was shipped)" if tuning else None
+    else:
+        tuning = tune(target, drafters, calibration, args.max_new_tokens, out, args.resume)
+        meta["tuning_source"] = "this run (calibration prompts, then this device's costs)"
     methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes)
     per_dataset = run_in_parts(target, measured, methods, args)
     results = combine([r for r, _ in per_dataset.values()])
