@@ -13,6 +13,10 @@ target's time goes to reading it, and the benchmarks ask short questions), are s
 the drift study and tuning. The target answers the others turn by turn, greedily, through its chat
 template, in chunks written to `distilled/` (committed: token ids only, a few MB), so a rerun
 resumes at the first missing chunk.
+
+`--answers given --start 7680 --out runs/smollm2/given` writes the same kind of sequences from
+ShareGPT's own answers to later conversations of the split (no generation: seconds, not hours);
+`train.py` can add them to the distilled data (`--given`).
 """
 
 import argparse
@@ -79,6 +83,9 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--prompts", type=Path, default=PROMPTS)
     parser.add_argument("--held-out-only", action="store_true", help="write heldout_conversations.jsonl and stop")
+    parser.add_argument("--answers", choices=["target", "given"], default="target",
+                        help="given: ShareGPT's own answers instead of the target's (no generation)")
+    parser.add_argument("--start", type=int, default=0, help="skip this many conversations of the training split")
     args = parser.parse_args()
     train, held_out, messages = conversations(args.prompts, args.held_out, args.max_chars)
     with (HERE / "heldout_conversations.jsonl").open("w") as f:
@@ -89,8 +96,8 @@ def main() -> None:
         return
     target, tokenizer = load_packaged_model(args.target)
     settings = DistillSettings(args.max_length, args.max_new_tokens, args.max_turns, args.batch_size)
-    _, report = distill_to_folder(target, tokenizer, train, args.out, settings, args.token_budget,
-                                  args.chunk_size)
+    _, report = distill_to_folder(target, tokenizer, train[args.start :], args.out, settings, args.token_budget,
+                                  args.chunk_size, given_answers=args.answers == "given")
     print(json.dumps(report.__dict__, indent=1))
 
 

