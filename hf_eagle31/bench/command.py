@@ -112,6 +112,11 @@ def split_prompts(texts: list[str], measured: int, calibration: int = CALIBRATIO
     return chosen, pick(rest, calibration) or chosen[:calibration]
 
 
+def drafter_folders(args) -> tuple[tuple[str, str | None], ...]:
+    """Each drafter's method name and the folder the command line gave for it (None or '' for none)."""
+    return ("EAGLE-3", args.eagle3), ("EAGLE 3.1", args.eagle31)
+
+
 def load_models(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,7 +132,7 @@ def load_models(args):
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     drafters = {}
-    for name, path in (("EAGLE-3", args.eagle3), ("EAGLE 3.1", args.eagle31)):
+    for name, path in drafter_folders(args):
         if path:
             drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, target.dtype).eval()
             prepare_drafter(target, drafter)
@@ -170,7 +175,7 @@ def shipped_tuning(args) -> dict:
     """With --no-tune: each drafter folder's own tuning.json (this kind of device's costs and the acceptance it was
     tuned with when shipped), so the bound column still has the costs it needs."""
     found = {}
-    for name, folder in (("EAGLE-3", args.eagle3), ("EAGLE 3.1", args.eagle31)):
+    for name, folder in drafter_folders(args):
         saved = Path(folder) / "tuning.json" if folder else None
         if saved is not None and saved.is_file():
             found[name] = json.loads(saved.read_text())
