@@ -7,6 +7,7 @@ verification step is lossless for any proposal (including none).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 logger = logging.getLogger("hf_eagle31")
@@ -52,17 +53,23 @@ class LengthController:
 class CollapseMonitor:
     """Falls back to plain decoding when speculation is measured to be slower, and probes again later.
 
-    Every `window` speculative steps it compares tokens per second under speculation with the plain
-    rate `1 / t_plain` (a window that accepted no draft token at all loses outright, whatever the
-    timings say). Until a plain step has been timed, `t_plain` is taken as the verify time of a
-    speculative step, an upper bound that favours speculation. After a losing window it runs
-    `backoff` plain steps, doubling the backoff after each losing probe (up to `max_backoff`) and
-    halving it after a winning one, so the number of wasted draft steps grows only logarithmically
-    with the output length. It warns once, after `warn_after` losing checks in a row: one losing
-    window is often just a hard stretch of text.
+    Every `check_every` speculative steps it compares tokens per second over the last `window`
+    steps with the plain rate `1 / t_plain`, and loses the check when speculation is clearly
+    slower (below `margin` of the plain rate) or when no draft token at all was accepted. The
+    window is long because per-step acceptance is noisy: judged over 4 steps alone, a drafter that
+    pays on average loses checks to short hard stretches and spends its gains on plain steps. Each
+    fallback starts the window afresh, so a probe is judged on what the drafter does now; a
+    collapsed drafter still loses its first check, after `check_every` steps. Until a plain step
+    has been timed, `t_plain` is taken as the verify time of a speculative step, an upper bound
+    that favours speculation. After a lost check it runs `backoff` plain steps, doubling the
+    backoff after each losing probe (up to `max_backoff`) and halving it after a winning check, so
+    the number of wasted draft steps grows only logarithmically with the output length. It warns
+    once, after `warn_after` lost checks in a row: one is often just a hard stretch of text.
     """
 
-    window: int = 4
+    check_every: int = 4
+    window: int = 16
+    margin: float = 0.9
     initial_backoff: int = 8
     max_backoff: int = 256
     warn_after: int = 3  # losing checks in a row before one warning
@@ -75,13 +82,8 @@ class CollapseMonitor:
         self.fallbacks = 0
         self.losing_streak = 0
         self.warned = False
-        self._reset_window()
-
-    def _reset_window(self) -> None:
-        self.window_steps = 0
-        self.window_tokens = 0
-        self.window_seconds = 0.0
-        self.window_verify_seconds = 0.0
+        self.recent: deque[tuple[float, float, float]] = deque(maxlen=self.window)  # (tokens, seconds, verify s)
+        self.unchecked = 0
 
     def should_speculate(self) -> bool:
         return not self.enabled or self.plain_left == 0
@@ -90,37 +92,38 @@ class CollapseMonitor:
         self.plain_left = max(self.plain_left - 1, 0)
         self.plain_time = seconds if self.plain_time is None else 0.8 * self.plain_time + 0.2 * seconds
 
-    def record_speculative(self, emitted: int, seconds: float, verify_seconds: float) -> None:
+    def record_speculative(self, emitted: float, seconds: float, verify_seconds: float) -> None:
         if not self.enabled:
             return
-        self.window_steps += 1
-        self.window_tokens += emitted
-        self.window_seconds += seconds
-        self.window_verify_seconds += verify_seconds
-        if self.window_steps >= self.window:
+        self.recent.append((emitted, seconds, verify_seconds))
+        self.unchecked += 1
+        if self.unchecked >= self.check_every:
+            self.unchecked = 0
             self._judge()
 
     def _judge(self) -> None:
-        plain_time = self.plain_time or self.window_verify_seconds / self.window_steps
-        speculative_rate = self.window_tokens / max(self.window_seconds, 1e-9)
-        nothing_accepted = self.window_tokens <= self.window_steps  # one token per step: never pays
-        if nothing_accepted or speculative_rate * plain_time < 1.0:
-            self.losing_streak += 1
-            if self.losing_streak == self.warn_after and not self.warned:  # a hard stretch of text is no news
-                self.warned = True
-                logger.warning(
-                    "EAGLE speculation was slower than plain decoding %d checks in a row (%.2f tokens per "
-                    "plain-step time, %.1f tokens accepted per step); decoding plainly and probing again "
-                    "later. %s",
-                    self.losing_streak, speculative_rate * plain_time, self.window_tokens / self.window_steps,
-                    "Nothing was accepted: is this drafter trained for this target?" if nothing_accepted else
-                    "The drafter is accepted too rarely for this device's verify cost; a shorter draft "
-                    "(tune_drafter) or a better-trained drafter may pay.",
-                )
-            self.fallbacks += 1
-            self.plain_left = self.backoff
-            self.backoff = min(2 * self.backoff, self.max_backoff)
-        else:  # one good window may be a fluke: relax the backoff gradually
-            self.losing_streak = 0
+        steps = len(self.recent)
+        tokens, seconds, verify_seconds = (sum(column) for column in zip(*self.recent))
+        plain_time = self.plain_time or verify_seconds / steps
+        relative_rate = tokens / max(seconds, 1e-9) * plain_time
+        nothing_accepted = tokens <= steps  # one token per step: never pays
+        if not nothing_accepted and relative_rate >= self.margin:
+            self.losing_streak = 0  # one good check may be a fluke: relax the backoff gradually
             self.backoff = max(self.initial_backoff, self.backoff // 2)
-        self._reset_window()
+            return
+        self.losing_streak += 1
+        if self.losing_streak == self.warn_after and not self.warned:  # a hard stretch of text is no news
+            self.warned = True
+            logger.warning(
+                "EAGLE speculation was slower than plain decoding %d checks in a row (%.2f tokens per "
+                "plain-step time, %.1f tokens accepted per step); decoding plainly and probing again "
+                "later. %s",
+                self.losing_streak, relative_rate, tokens / steps,
+                "Nothing was accepted: is this drafter trained for this target?" if nothing_accepted else
+                "The drafter is accepted too rarely for this device's verify cost; a shorter draft "
+                "(tune_drafter) or a better-trained drafter may pay.",
+            )
+        self.fallbacks += 1
+        self.plain_left = self.backoff
+        self.backoff = min(2 * self.backoff, self.max_backoff)
+        self.recent.clear()

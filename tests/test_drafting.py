@@ -193,7 +193,7 @@ def test_length_controller_is_bounded_deterministic_and_responsive():
 
 
 def test_collapse_monitor_backs_off_exponentially_and_recovers():
-    monitor = CollapseMonitor(window=2, initial_backoff=4, max_backoff=16)
+    monitor = CollapseMonitor(check_every=2, window=2, initial_backoff=4, max_backoff=16)
     plain_runs = []
     for _ in range(4):  # useless speculation: one token per step, slower than a plain step
         for _ in range(2):
@@ -210,6 +210,26 @@ def test_collapse_monitor_backs_off_exponentially_and_recovers():
     assert monitor.should_speculate() and monitor.backoff == 8
 
 
+def test_collapse_monitor_judges_a_long_window_with_a_margin():
+    """A hard stretch inside a paying run, or a window a little slower than plain decoding, is no collapse."""
+    monitor = CollapseMonitor()  # checks every 4 steps over the last 16; plain steps cost 1.0 s
+    monitor.record_plain(1.0)
+    for _ in range(12):  # 3 tokens per 1.5 s: twice the plain rate
+        monitor.record_speculative(emitted=3, seconds=1.5, verify_seconds=1.0)
+    for _ in range(4):  # a stretch where nothing is accepted, judged with the 12 steps before it
+        monitor.record_speculative(emitted=1, seconds=1.5, verify_seconds=1.0)
+    assert monitor.should_speculate() and monitor.fallbacks == 0
+    slightly_slower = CollapseMonitor()
+    slightly_slower.record_plain(1.0)
+    for _ in range(4):  # 0.95 of the plain rate: within the margin
+        slightly_slower.record_speculative(emitted=1.9, seconds=2.0, verify_seconds=1.0)
+    assert slightly_slower.should_speculate()
+    for _ in range(4):  # then 0.8: over the 8 steps, 0.875 of the plain rate, clearly slower
+        slightly_slower.record_speculative(emitted=1.6, seconds=2.0, verify_seconds=1.0)
+    assert not slightly_slower.should_speculate() and slightly_slower.fallbacks == 1
+    assert len(slightly_slower.recent) == 0  # the probe after the fallback is judged on its own
+
+
 def test_tree_mode_uses_the_draft_vocabulary_map():
     target, drafter = trained_pair("llama", True)
     assert torch.equal(drafter.d2t, torch.zeros_like(drafter.d2t))  # identity map: trivially consistent
@@ -223,7 +243,7 @@ def test_collapse_monitor_warns_once_and_only_when_losing_persists(caplog):
         while not monitor.should_speculate():
             monitor.record_plain(1.0)
 
-    monitor = CollapseMonitor(window=2, initial_backoff=1)
+    monitor = CollapseMonitor(check_every=2, window=2, initial_backoff=1)
     with caplog.at_level(logging.WARNING, logger="hf_eagle31"):
         for emitted in (1, 1, 4, 1, 1):  # two losses, a win, two losses: a hard stretch, not a bad drafter
             window(monitor, emitted)
