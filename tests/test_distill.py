@@ -146,7 +146,7 @@ def test_given_answers_are_the_records_own_in_the_chat_template_and_nothing_is_g
     assert [c.answers for c in conversations] == [["cd ef", "ij"], ["mn " * 40], []]
     monkeypatch.setattr(target, "generate", lambda *a, **k: pytest.fail("given answers generate nothing"))
     settings = DistillSettings(max_length=200, max_new_tokens=12, batch_size=2)
-    sequences, report = distill_conversations(target, tokenizer, conversations, settings, given_answers=True)
+    sequences, report = distill_conversations(target, tokenizer, conversations, settings, answers="given")
 
     def expected(turns: list[str], answers: list[str]) -> tuple[list[int], list[int]]:
         messages, ids, mask = [], [], []
@@ -165,6 +165,6 @@ def test_given_answers_are_the_records_own_in_the_chat_template_and_nothing_is_g
     assert (sequences[0].input_ids, sequences[0].loss_mask) == expected(["ab", "gh"], ["cd ef", "ij"])
     assert (sequences[1].input_ids, sequences[1].loss_mask) == expected(["kl", "x"], ["mn " * 40, "y"])
     assert report.turns == 3 and len(sequences) == 2  # the third record has no answer to learn from
-    distill_to_folder(target, tokenizer, conversations, tmp_path / "given", settings, given_answers=True)
+    distill_to_folder(target, tokenizer, conversations, tmp_path / "given", settings, answers="given")
     with pytest.raises(ValueError, match="other conversations and answers"):
         distill_to_folder(target, tokenizer, conversations, tmp_path / "given", settings)

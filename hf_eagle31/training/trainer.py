@@ -36,7 +36,7 @@ from hf_eagle31.training.data import (
     fit_length,
     read_examples,
 )
-from hf_eagle31.training.distill import DistillSettings, distill_to_folder, load_distilled
+from hf_eagle31.training.distill import DistillSettings, check_answers, distill_to_folder, load_distilled
 from hf_eagle31.training.feature_cache import build_feature_cache
 from hf_eagle31.training.losses import acceptance_loss, ahead, distillation_losses, step_mask
 from hf_eagle31.training.teacher import draft_vocab_ids, target_logits, target_states
@@ -98,8 +98,7 @@ class TrainingConfig:
             raise ValueError(f"token_budget must be a positive number of answer tokens, got {self.token_budget}")
         if self.lk_eta is not None and self.lk_eta < 0:
             raise ValueError(f"lk_eta cannot be negative, got {self.lk_eta}")
-        if self.answers not in ("target", "given"):
-            raise ValueError(f"answers must be 'target' (self-distillation) or 'given', got {self.answers!r}")
+        check_answers(self.answers)
         if self.tune_prompts < 0:
             raise ValueError(f"tune_prompts cannot be negative, got {self.tune_prompts}")
 
@@ -214,7 +213,7 @@ def training_sequences(target: PreTrainedModel, data, tokenizer, config: Trainin
         )
         distill_to_folder(target, tokenizer, examples.conversations, out_dir / DISTILLED, settings,
                           config.token_budget, process_index=accelerator.process_index,
-                          num_processes=accelerator.num_processes, given_answers=config.answers == "given")
+                          num_processes=accelerator.num_processes, answers=config.answers)
         accelerator.wait_for_everyone()
         answered, report = load_distilled(out_dir / DISTILLED)
         if report.too_long:
