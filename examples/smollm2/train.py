@@ -187,13 +187,13 @@ def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 
 
 def joined_log(run: Path) -> str:
     """The run's train_log.csv, after the log of the drafter it continued (its steps numbered on from there)."""
-    log = (run / "train_log.csv").read_text().splitlines()
+    log = (run / "train_log.csv").read_text()
     if not (run / EARLIER_LOG).exists():
-        return "\n".join(log) + "\n"
+        return log
     earlier = (run / EARLIER_LOG).read_text().splitlines()
     offset = int(earlier[-1].split(",", 1)[0])
-    later = [f"{int(step) + offset},{rest}" for step, rest in (line.split(",", 1) for line in log[1:])]
-    return "\n".join(earlier + later) + "\n"
+    rows = (line.split(",", 1) for line in log.splitlines()[1:])  # the header is the earlier log's
+    return "\n".join(earlier + [f"{int(step) + offset},{rest}" for step, rest in rows]) + "\n"
 
 
 def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
