@@ -23,6 +23,9 @@ SPECULATION_DEFAULTS: dict[str, Any] = {
     # the tree mask), "kernel" (the Triton tree-attention kernel on CUDA) or "exact" (bit-identical
     # to one-token decoding on any device, at a higher verify cost)
     "verify_mode": "batched",
+    # on a CPU, the target's linear weights in oneDNN's packed layout while EAGLE decodes (packing.py):
+    # verifying a few tokens then costs about one plain step; not with "exact" verification
+    "pack_weights": True,
 }
 
 

@@ -34,6 +34,7 @@ from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.packing import packed_weights
 from hf_eagle31.stats import SpeculationStats
 from hf_eagle31.verification import (
     VERIFY_MODES,
@@ -51,7 +52,7 @@ from hf_eagle31.verification import (
 POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k": 64, "tree_total_tokens": 1024,
                      "max_speculation_depth": 64, "verify_chunk_depth": 64}  # name -> largest value accepted
 CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES}
-SWITCHES = ("dynamic_speculation", "collapse_fallback")
+SWITCHES = ("dynamic_speculation", "collapse_fallback", "pack_weights")
 
 
 def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
@@ -74,6 +75,11 @@ def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
 def verify_mode(drafter: Eagle3DraftModel) -> str:
     """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`)."""
     return speculation_setting(drafter, "verify_mode")
+
+
+def packs_weights(drafter: Eagle3DraftModel) -> bool:
+    """Whether this drafter's calls verify on packed weights where the target can have them (packing.py)."""
+    return speculation_setting(drafter, "pack_weights") and verify_mode(drafter) != "exact"
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
@@ -517,7 +523,8 @@ def install() -> None:
             return assisted(self, input_ids, *args, **kwargs)
         check_inputs(kwargs["generation_config"], kwargs)
         mode = speculation_setting(drafter, "speculation_mode")
-        with eagle_verification(self):
+        pack = packs_weights(drafter)
+        with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
             if mode == "chain" and input_ids.shape[0] == 1:
                 return assisted(self, input_ids, *args, **kwargs)
             for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):

@@ -25,8 +25,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from hf_eagle31.batched import verify_rows
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
-from hf_eagle31.generation import eagle_verification, verify_mode
+from hf_eagle31.generation import eagle_verification, packs_weights, verify_mode
 from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.packing import packed_weights
 from hf_eagle31.verification import verify_block
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
@@ -66,16 +67,17 @@ def verify_cost_curve(
     depth: int = 6,
     repeats: int = 5,
     mode: str = "batched",
+    pack: bool = False,
 ) -> dict[int, float]:
     """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
 
     Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
-    mask, the drafter's features captured.
+    mask, the drafter's features captured, on packed weights if `pack` (packing.py).
     """
     device = target.device
     prompt = torch.randint(3, target.config.get_text_config().vocab_size, (1, context), device=device)
     costs = {}
-    with eagle_verification(target):
+    with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
         for n in sizes:
@@ -130,7 +132,8 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     """
     device, vocab = target.device, target.config.get_text_config().vocab_size
     verify, draft = {}, {}
-    with eagle_verification(target):
+    pack = packs_weights(drafter)
+    with eagle_verification(target), packed_weights(target, pack), packed_weights(drafter, pack):
         for batch in batch_sizes:
             cache = DynamicCache(config=target.config)
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
@@ -237,8 +240,11 @@ def choose_tree_shape(
     """
     sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
     mode = verify_mode(drafter)
-    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, mode=mode)
-    drafts = {k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)} for k in ranks_by_top_k}
+    pack = packs_weights(drafter)
+    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, mode=mode, pack=pack)
+    with packed_weights(drafter, pack):
+        drafts = {k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
+                  for k in ranks_by_top_k}
     return TuningReport(curve, drafts, rank_candidates(curve, drafts, ranks_by_top_k), ranks_by_top_k)
 
 

@@ -249,6 +249,11 @@ def _enter_exact_mode(module, args, kwargs):
         _ROW_BY_ROW.mode.__enter__()
 
 
+def exact_mode_active() -> bool:
+    """Whether this thread runs an "exact" verify forward (inside `RowByRowLinear`)."""
+    return getattr(_ROW_BY_ROW, "mode", None) is not None
+
+
 def leave_exact_mode(*unused) -> None:
     """Undo this thread's `_enter_exact_mode` (a forward hook, and the `finally` of every EAGLE `generate`)."""
     mode = _ROW_BY_ROW.__dict__.pop("mode", None)

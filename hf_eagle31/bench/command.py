@@ -58,6 +58,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "or float32")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
+    add("--verify-cost", action="store_true", help="measure the verify-cost curve t(n)/t(1) on torch's default path "
+        "and on packed weights instead (interleaved rounds)")
     add("--batch-sizes", help="run plain batched generate against batched EAGLE 3.1 chain and tree at these batch "
         "sizes instead (e.g. 1,4,8,16), on the same prompts")
     add("--project", nargs="+", metavar="SHAPE", help="also project speedups to real model shapes "
@@ -307,6 +309,10 @@ def run(args: argparse.Namespace) -> int:
         documents = read_documents(args.documents) if args.documents else None
         return run_drift_study(target, tokenizer, drafters, texts, args, documents, meta,
                                uses_chat_template(tokenizer, args))
+    if args.verify_cost:
+        from hf_eagle31.bench.verify_cost import run_verify_cost_study
+
+        return run_verify_cost_study(target, drafters, args, meta)
     if args.batch_sizes:
         from hf_eagle31.bench.batching import run_batched_study
 

@@ -1,0 +1,69 @@
+"""`hf-eagle31 bench --verify-cost`: what verifying n tokens costs, on torch's default path and on packed weights.
+
+Both curves are measured in one process, in interleaved rounds (medians), and divided by the
+same t(1): one plain step on the target's own weights, which is what speculation has to beat.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from hf_eagle31.tuning import verify_cost_curve
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+PATHS = {"default": False, "packed": True}  # name -> pack the weights (hf_eagle31/packing.py)
+
+
+def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256) -> dict:
+    """Seconds per verify forward of each size on each path: the median over `rounds` interleaved rounds."""
+    seconds = {name: {n: [] for n in SIZES} for name in PATHS}
+    for _ in range(rounds):
+        for name, pack in PATHS.items():
+            for n, t in verify_cost_curve(target, list(SIZES), layer_ids, context=context, repeats=3, pack=pack).items():
+                seconds[name][n].append(t)
+    return {name: {n: statistics.median(ts) for n, ts in sizes.items()} for name, sizes in seconds.items()}
+
+
+def table(seconds: dict) -> str:
+    step = seconds["default"][1]
+    lines = [f"t(1) = {step * 1000:.1f} ms (one plain step on the default path)", "",
+             "| path | " + " | ".join(f"t({n})" for n in SIZES) + " |", "|---|" + "---:|" * len(SIZES)]
+    for name, sizes in seconds.items():
+        lines.append(f"| {name} | " + " | ".join(f"{t / step:.2f}" for t in sizes.values()) + " |")
+    return "\n".join(lines)
+
+
+def plot(out: Path, seconds: dict, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    step = seconds["default"][1]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, sizes in seconds.items():
+        ax.plot(list(sizes), [t / step for t in sizes.values()], marker="o", label=name)
+    ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("tokens verified in one forward (n)")
+    ax.set_ylabel("t(n) / one plain step")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "verify_cost_paths.png", dpi=120)
+    plt.close(fig)
+
+
+def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
+    layer_ids = next(iter(drafters.values())).config.target_layer_ids
+    seconds = measure(target, layer_ids)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds}, indent=1) + "\n")
+    text = table(seconds)
+    (out / "verify_cost_paths.md").write_text(f"`{meta['command']}` ({meta['date']}, {meta['machine']}, "
+                                              f"{meta['dtype']})\n\n{text}\n")
+    plot(out, seconds, f"{meta['dtype']}, {meta['machine']}")
+    print(text)
+    return 0

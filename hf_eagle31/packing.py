@@ -1,0 +1,105 @@
+"""The target's linear weights in oneDNN's packed layout while EAGLE decodes on a CPU.
+
+Why: a verify forward multiplies a few rows (the draft tokens) by every weight of the target. On
+a CPU torch sends an fp32 product of 2-16 rows to MKL's small-M GEMM, which costs 1.5-1.7 one-row
+steps although a step is bound by streaming the weights from memory. oneDNN's inner product over
+weights reordered once into its blocked layout (what inductor's freezing and serving engines use)
+streams them at the memory's rate, so verifying several tokens costs about one plain step.
+
+The packed layout is a second copy of each weight. Rather than hold both, the target holds the
+packed copy *instead* of its own while EAGLE calls run on it: each linear layer's weight is
+reordered and its own storage released, and when the last call ends the packed copy is reordered
+back, a permutation, so the target gets bit for bit its own weights. Memory grows by one layer's
+weight at most, and plain decoding outside EAGLE runs on the target's own weights, untouched.
+A weight shared with another module (an LM head tied to the embedding) stays as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_eagle31.verification import exact_mode_active
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Whether the model's weights can be packed here: a CPU model in fp32 or bf16 (where oneDNN runs bf16)."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+        return False
+    if getattr(model, "is_quantized", False) or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if exact_mode_active():  # a concurrent "exact" call on this target computes on the plain weight
+        return F.linear(x, self.packed_weight.to_dense(), self.bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+
+
+def _shared(model: nn.Module) -> set[int]:
+    """Storages that more than one parameter slot of the model points at (tied weights)."""
+    seen, shared = set(), set()
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        pointer = parameter.untyped_storage().data_ptr()
+        (shared if pointer in seen else seen).add(pointer)
+    return shared
+
+
+def pack_linears(model: nn.Module) -> list[nn.Linear]:
+    """Swap every untied linear weight of `model` for its packed copy; returns the layers swapped."""
+    shared = _shared(model)
+    swapped = []
+    for module in model.modules():
+        if type(module) is not nn.Linear or module.weight.untyped_storage().data_ptr() in shared:
+            continue
+        weight = module.weight
+        if weight.dtype not in PACKED_DTYPES or weight.dim() != 2:
+            continue
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        # the storage goes; a NaN of the same shape stands in, so a read that bypasses forward cannot pass unnoticed
+        weight.data = torch.full((), float("nan"), dtype=weight.dtype).expand(weight.shape)
+        module.forward = types.MethodType(_packed_forward, module)
+        swapped.append(module)
+    return swapped
+
+
+def unpack_linears(swapped: list[nn.Linear]) -> None:
+    """Give each layer its own weight back, reordered from the packed copy (the same values bit for bit)."""
+    for module in swapped:
+        module.weight.data = module.packed_weight.to_dense()
+        del module.packed_weight, module.forward
+
+
+_PACKED: dict[int, tuple[int, list[nn.Linear]]] = {}  # id(model) -> (calls in flight, layers swapped)
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def packed_weights(model: nn.Module, enabled: bool = True):
+    """`model` on packed weights for the duration (when `enabled` and `can_pack`). Calls running at once in
+    several threads share one packing: the first call packs and the last one unpacks."""
+    if not (enabled and can_pack(model)):
+        yield
+        return
+    with _LOCK:
+        calls, swapped = _PACKED.get(id(model), (0, []))
+        _PACKED[id(model)] = (calls + 1, swapped if calls else pack_linears(model))
+    try:
+        yield
+    finally:
+        with _LOCK:
+            calls, swapped = _PACKED.pop(id(model))
+            if calls > 1:
+                _PACKED[id(model)] = (calls - 1, swapped)
+            else:
+                unpack_linears(swapped)

@@ -1,0 +1,82 @@
+"""Packed weights (hf_eagle31/packing.py): the target holds oneDNN's packed copy only while EAGLE decodes,
+computes what torch's default path computes, and gets its own weights back bit for bit."""
+
+import pytest
+import torch
+from tiny_models import PROMPTS, make_target, trained_pair
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
+from hf_eagle31.packing import can_pack, pack_linears, packed_weights, unpack_linears
+
+pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.state_dict().items()}
+
+
+def test_packed_forward_matches_the_default_path_and_unpacking_restores_every_bit():
+    target = make_target(seed=3)
+    before = snapshot(target)
+    reference = target(PROMPTS[:2]).logits
+    swapped = pack_linears(target)
+    assert not target.config.tie_word_embeddings
+    assert len(swapped) == 7 * target.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down per layer; the head
+    packed = target(PROMPTS[:2]).logits
+    assert torch.allclose(packed, reference, atol=1e-4, rtol=1e-4)
+    unpack_linears(swapped)
+    after = snapshot(target)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert torch.equal(target(PROMPTS[:2]).logits, reference)
+
+
+def test_weights_tied_to_another_module_stay_as_they_are():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    swapped = pack_linears(model)
+    assert model.lm_head not in swapped and torch.isfinite(model.model.embed_tokens.weight).all()
+    unpack_linears(swapped)
+
+
+def test_an_eagle_call_leaves_the_target_as_it_found_it():
+    target, drafter = trained_pair("llama", eagle31=True)
+    before = snapshot(target)
+    with packed_weights(target):
+        assert any(hasattr(m, "packed_weight") for m in target.modules())
+    after = snapshot(target)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert not any(hasattr(m, "packed_weight") for m in target.modules())
+    drafted_before = snapshot(drafter)
+    target.generate(PROMPTS[:1], assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    assert all(torch.equal(before[name], t) for name, t in snapshot(target).items())
+    assert all(torch.equal(drafted_before[name], t) for name, t in snapshot(drafter).items())
+    assert not any(hasattr(m, "packed_weight") for m in drafter.modules())
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_greedy_on_packed_weights_equals_plain_generate(mode):
+    target, drafter = trained_pair("llama", eagle31=True)
+    drafter.generation_config.update(speculation_mode=mode, pack_weights=True)
+    for prompt in (PROMPTS[0:1], PROMPTS[3:4]):
+        expected = target.generate(prompt, do_sample=False, max_new_tokens=24)
+        assert torch.equal(target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=24), expected)
+
+
+def test_nested_calls_pack_once_and_unpack_with_the_last():
+    target = make_target(seed=4)
+    with packed_weights(target):
+        first = [m.packed_weight for m in target.modules() if hasattr(m, "packed_weight")]
+        with packed_weights(target):
+            assert [m.packed_weight for m in target.modules() if hasattr(m, "packed_weight")] == first
+        assert all(hasattr(m, "packed_weight") for m in target.modules() if isinstance(m, torch.nn.Linear))
+    assert not any(hasattr(m, "packed_weight") for m in target.modules())
+
+
+def test_models_that_cannot_be_packed_are_left_alone():
+    assert not can_pack(make_target(dtype=torch.float16))
+    target = make_target(seed=5, dtype=torch.float16)
+    with packed_weights(target):
+        assert not any(hasattr(m, "packed_weight") for m in target.modules())
