@@ -143,10 +143,10 @@ def compact_rows(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Te
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        keys, values = layer.keys[:, :, start:], layer.values[:, :, start:]
-        gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-        layer.keys[:, :, start : start + longest] = keys.gather(2, gather)
-        layer.values[:, :, start : start + longest] = values.gather(2, gather.expand(-1, -1, -1, values.shape[3]))
+        for entries in (layer.keys, layer.values):  # their head sizes differ in MLA targets (DeepSeek, MiniCPM3)
+            block = entries[:, :, start:]
+            gather = index[:, None, :, None].expand(-1, block.shape[1], -1, block.shape[3])
+            entries[:, :, start : start + longest] = block.gather(2, gather)
     truncate_cache(cache, start + longest)
     return real
 

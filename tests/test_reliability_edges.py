@@ -1,0 +1,67 @@
+"""The edges of transformers where EAGLE once gave another output than plain `generate`, or a raw error.
+
+Each case either equals plain greedy `generate` (the reference, computed without the drafter) or
+is refused before decoding with an error that names the problem.
+"""
+
+import functools
+
+import pytest
+import torch
+from test_architectures import MLA, MOE, PROMPT, fitted_drafter, tiny_target
+from tiny_models import PROMPTS, trained_pair
+
+import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
+from hf_eagle31.bench.batching import left_padded
+
+MODES = ["chain", "tree"]
+
+
+def plain(target, **kwargs):
+    return target.generate(do_sample=False, **kwargs)
+
+
+def with_drafter(target, drafter, mode, **kwargs):
+    drafter.generation_config.speculation_mode = mode
+    return plain(target, assistant_model=drafter, **kwargs)
+
+
+def ragged(prompt: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Two rows, left-padded: the prompt, and its first five tokens."""
+    return left_padded([prompt[0].tolist(), prompt[0, :5].tolist()], 0, "cpu")
+
+
+LONGROPE = {"sliding_window": None, "max_position_embeddings": 256, "original_max_position_embeddings": 32,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                                "long_factor": [4.0] * 4, "original_max_position_embeddings": 32}}
+DYNAMIC = {"max_position_embeddings": 32, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                              "factor": 2.0}}
+# name -> (model_type, its tiny config beyond test_architectures.SHAPE)
+TARGETS = {"phi3-longrope": ("phi3", LONGROPE), "llama-dynamic": ("llama", DYNAMIC),
+           "gpt2": ("gpt2", {"max_position_embeddings": 40}), "opt": ("opt", {"max_position_embeddings": 40}),
+           "deepseek_v2": ("deepseek_v2", {**MLA, **MOE}), "minicpm3": ("minicpm3", MLA)}
+
+
+@functools.lru_cache(maxsize=None)
+def edge_pair(name: str) -> tuple:
+    """A tiny target and a drafter briefly fitted to its greedy continuation of `PROMPT`."""
+    target = tiny_target(*TARGETS[name])
+    return target, fitted_drafter(target, plain(target, input_ids=PROMPT, max_new_tokens=20), [1, 2, 3], steps=30)
+
+
+# --- rotary tables that change with the length: refused where a call crosses the change ---------
+
+
+# --- learned positions: drafts never reach past the last position plain decoding computes --------
+
+
+# --- batches ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "minicpm3"])
+def test_mla_targets_in_a_batch_equal_plain_greedy(model_type, mode):
+    """Multi-head latent attention caches keys and values of different head sizes."""
+    target, drafter = edge_pair(model_type)
+    kwargs = dict(ragged(PROMPT), max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(with_drafter(target, drafter, mode, **kwargs), plain(target, **kwargs))
