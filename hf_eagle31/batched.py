@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     LogitsProcessorList,
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -75,8 +77,9 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
     """The processors as they apply to one row alone.
 
     Plain `generate` calls them on the whole batch; rows here advance separately, so each calls them
-    on its own sequence. Two keep per-row state: repetition penalty's prompt pad lengths (one per row)
-    and `prefix_allowed_tokens_fn`'s batch id.
+    on its own sequence. Four keep per-row state: repetition penalty's prompt pad lengths (one per row),
+    the encoder repetition penalty's prompts and the encoder n-gram ban's n-grams (one per row), and
+    `prefix_allowed_tokens_fn`'s batch id.
     """
     views = []
     for processor in processors:
@@ -84,6 +87,12 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
                                                                                   torch.Tensor):
             processor = copy.copy(processor)
             processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.encoder_input_ids = processor.encoder_input_ids[row : row + 1]
+        elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.batch_size, processor.generated_ngrams = 1, processor.generated_ngrams[row : row + 1]
         elif isinstance(processor, PrefixConstrainedLogitsProcessor):
             processor = copy.copy(processor)
             allowed = processor._prefix_allowed_tokens_fn

@@ -65,3 +65,12 @@ def test_mla_targets_in_a_batch_equal_plain_greedy(model_type, mode):
     target, drafter = edge_pair(model_type)
     kwargs = dict(ragged(PROMPT), max_new_tokens=20, pad_token_id=0)
     assert torch.equal(with_drafter(target, drafter, mode, **kwargs), plain(target, **kwargs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("setting", [{"encoder_repetition_penalty": 1.3}, {"encoder_no_repeat_ngram_size": 2}],
+                         ids=["encoder-repetition-penalty", "encoder-no-repeat-ngram"])
+def test_processors_holding_every_prompt_apply_per_row(setting, mode):
+    target, drafter = trained_pair("llama", True, collapse_fallback=False)
+    kwargs = dict(ragged(PROMPTS[0:1]), max_new_tokens=12, pad_token_id=0, **setting)
+    assert torch.equal(with_drafter(target, drafter, mode, **kwargs), plain(target, **kwargs))
