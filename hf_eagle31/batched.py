@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree, truncate_cache
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -236,9 +236,11 @@ def eagle_batched_decoding(
 
     while rows:
         began = time.perf_counter()
+        longest = max(row.sequence.shape[1] for row in rows)
+        depth = draft_depth(controller.length, longest, generation_config.max_length)
         speculate = monitor.should_speculate()
-        if speculate:
-            trees = draft(state, rows, mode, controller.length, top_k, total_tokens, choose)
+        if speculate and depth > 0:
+            trees = draft(state, rows, mode, depth, top_k, total_tokens, choose)
         else:
             trees = [DraftTree.root_only(row.sequence[0, -1:]) for row in rows]
         drafted = time.perf_counter()

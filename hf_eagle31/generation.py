@@ -30,7 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_eagle31.batched import eagle_batched_decoding
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_ids
-from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -189,7 +189,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             self.state.push(*without_padding(features, input_ids[:, -features.shape[1] :], self.key_padding))
             self.prefilled = True
         self.step_started = time.perf_counter()
-        steps = min(self.controller.length, self.max_length - input_ids.shape[1] - 1)
+        steps = draft_depth(self.controller.length, input_ids.shape[1], self.max_length)
         if steps <= 0 or not self.monitor.should_speculate():
             self.proposed = 0
             return input_ids, None
@@ -421,9 +421,10 @@ def eagle_tree_decoding(
     while not stop:
         root = sequence[0][0, -1:]
         began = time.perf_counter()
+        depth = draft_depth(controller.length, sequence[0].shape[1], generation_config.max_length)
         speculate = monitor.should_speculate()
-        if speculate:
-            tree = draft_tree(state, root, controller.length, top_k, total_tokens)[0]
+        if speculate and depth > 0:
+            tree = draft_tree(state, root, depth, top_k, total_tokens)[0]
         else:
             tree = DraftTree.root_only(root)
         drafted = time.perf_counter()

@@ -55,6 +55,16 @@ def edge_pair(name: str) -> tuple:
 # --- learned positions: drafts never reach past the last position plain decoding computes --------
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_learned_positions_up_to_their_limit_equal_plain_greedy(model_type, mode):
+    target, drafter = edge_pair(model_type)
+    drafter.generation_config.update(num_assistant_tokens=8, tree_depth=8, dynamic_speculation=False)  # deep drafts
+    for inputs in ({"input_ids": PROMPT}, ragged(PROMPT)):
+        kwargs = dict(inputs, max_new_tokens=40 - PROMPT.shape[1], pad_token_id=0)  # up to position 39
+        assert torch.equal(with_drafter(target, drafter, mode, **kwargs), plain(target, **kwargs))
+
+
 # --- batches ---------------------------------------------------------------------------------
 
 
