@@ -337,8 +337,48 @@ def check_target(target: PreTrainedModel) -> None:
             f"{target.config._attn_implementation!r}); generate without the drafter")
 
 
-def check_inputs(generation_config, model_kwargs) -> None:
+def rope_types(text_config) -> set[str]:
+    """The rotary scaling kinds of the target's layers (one `rope_parameters`, or one per layer type)."""
+    parameters = getattr(text_config, "rope_parameters", None) or {}
+    if "rope_type" in parameters:
+        return {parameters["rope_type"]}
+    return {value.get("rope_type") for value in parameters.values() if isinstance(value, dict)}
+
+
+def check_positions(target: PreTrainedModel, prompt_length: int, max_length: int) -> None:
+    """Refuse rotary tables that change with the sequence length while this call crosses the length they change at.
+
+    Plain decoding meets such a change one position at a time (Phi-3's longrope even recomputes its
+    cache when it crosses `original_max_position_embeddings`); a verify forward meets it at a
+    draft's deepest position, earlier, and its cached keys keep the old table: another output.
+    """
+    text = target.config.get_text_config()
+    kinds = rope_types(text)
+    if "longrope" in kinds:
+        parameters = text.rope_parameters
+        original = parameters.get("original_max_position_embeddings") or text.original_max_position_embeddings
+        if prompt_length <= original < max_length:
+            raise ValueError(
+                f"EAGLE decoding cannot cross {type(target).__name__}'s longrope switch at original_max_position_"
+                f"embeddings={original} (the prompt has {prompt_length} tokens, max_length is {max_length}): plain "
+                "decoding recomputes its cache there; generate without the drafter, or stop at that length")
+    if "dynamic" in kinds and max_length > text.max_position_embeddings:
+        raise ValueError(
+            f"EAGLE decoding cannot run past max_position_embeddings={text.max_position_embeddings} with dynamic "
+            f"rope scaling (max_length is {max_length}): the rotary table then changes with the longest position "
+            "computed, which a draft reaches earlier than plain decoding; generate without the drafter")
+
+
+def check_inputs(target: PreTrainedModel, input_ids: torch.Tensor, mode: str, generation_config, model_kwargs) -> None:
     """Refuse, by name and before any work, what EAGLE decoding cannot do exactly."""
+    check_positions(target, input_ids.shape[1], generation_config.max_length)
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask[:, -1].all()):
+        raise ValueError("EAGLE decoding needs left-padded prompts (tokenizer.padding_side = 'left'); these are "
+                         "right-padded, which plain generate too decodes wrongly (it continues from the pads)")
+    if generation_config.guidance_scale not in (None, 1) and (mode == "chain" or input_ids.shape[0] > 1):
+        raise ValueError("EAGLE decoding supports classifier-free guidance (guidance_scale) only in tree mode with "
+                         "one prompt: its processor runs the target on one sequence, one token at a time")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("EAGLE decoding cannot return attentions or hidden states (output_attentions / "
                          "output_hidden_states); generate without the drafter for those")
@@ -516,8 +556,8 @@ def install() -> None:
         drafter = kwargs.get("assistant_model")
         if not isinstance(drafter, Eagle3DraftModel):
             return assisted(self, input_ids, *args, **kwargs)
-        check_inputs(kwargs["generation_config"], kwargs)
         mode = speculation_setting(drafter, "speculation_mode")
+        check_inputs(self, input_ids, mode, kwargs["generation_config"], kwargs)
         with eagle_verification(self):
             if mode == "chain" and input_ids.shape[0] == 1:
                 return assisted(self, input_ids, *args, **kwargs)

@@ -52,6 +52,19 @@ def edge_pair(name: str) -> tuple:
 # --- rotary tables that change with the length: refused where a call crosses the change ---------
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name, error", [
+    ("phi3-longrope", "cannot cross Phi3ForCausalLM's longrope switch at original_max_position_embeddings=32"),
+    ("llama-dynamic", "cannot run past max_position_embeddings=32 with dynamic rope scaling"),
+])
+def test_length_dependent_rope_is_refused_across_its_switch_and_equal_before(name, error, mode):
+    target, drafter = edge_pair(name)
+    with pytest.raises(ValueError, match=error):
+        with_drafter(target, drafter, mode, input_ids=PROMPT, max_new_tokens=40)
+    before = dict(input_ids=PROMPT, max_new_tokens=10)  # 24 tokens: the table never changes
+    assert torch.equal(with_drafter(target, drafter, mode, **before), plain(target, **before))
+
+
 # --- learned positions: drafts never reach past the last position plain decoding computes --------
 
 
@@ -84,3 +97,30 @@ def test_processors_holding_every_prompt_apply_per_row(setting, mode):
     target, drafter = trained_pair("llama", True, collapse_fallback=False)
     kwargs = dict(ragged(PROMPTS[0:1]), max_new_tokens=12, pad_token_id=0, **setting)
     assert torch.equal(with_drafter(target, drafter, mode, **kwargs), plain(target, **kwargs))
+
+
+@pytest.mark.parametrize("mode, rows", [("chain", 1), ("chain", 2), ("tree", 2)])
+def test_classifier_free_guidance_is_refused_where_it_would_be_wrong(mode, rows):
+    target, drafter = trained_pair("llama", True, collapse_fallback=False)
+    inputs = ragged(PROMPTS[0:1]) if rows > 1 else {"input_ids": PROMPTS[0:1]}
+    with pytest.raises(ValueError, match=r"classifier-free guidance \(guidance_scale\) only in tree mode with one"):
+        with_drafter(target, drafter, mode, **inputs, max_new_tokens=10, pad_token_id=0, guidance_scale=1.5)
+
+
+def test_classifier_free_guidance_in_tree_mode_with_one_prompt_equals_plain():
+    target, drafter = trained_pair("llama", True, collapse_fallback=False)
+    kwargs = dict(input_ids=PROMPTS[0:1], max_new_tokens=10, guidance_scale=1.5)
+    assert torch.equal(with_drafter(target, drafter, "tree", **kwargs), plain(target, **kwargs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_right_padded_prompts_are_refused_by_name(mode, rows):
+    target, drafter = trained_pair("llama", True, collapse_fallback=False)
+    ids = PROMPTS[:2].clone()
+    mask = torch.ones_like(ids)
+    ids[1, 3:], mask[1, 3:] = 0, 0
+    with pytest.raises(ValueError, match=r"needs left-padded prompts \(tokenizer.padding_side = 'left'\); these are "
+                                         "right-padded"):
+        with_drafter(target, drafter, mode, input_ids=ids[-rows:], attention_mask=mask[-rows:], max_new_tokens=10,
+                     pad_token_id=0)
