@@ -6,6 +6,7 @@ error text a user should read.
 
 import copy
 import json
+import os
 import re
 import shutil
 import threading
@@ -192,8 +193,16 @@ def object_pickle(folder):
     (edit_config(num_attention_heads=3), "config.json does not describe a valid drafter: num_attention_heads"),
     (lambda f: (f / "config.json").write_text('{"model_type": "eagle3_'), "config.json is not valid JSON"),
     (object_pickle, "pytorch_model.bin is not a pickle of plain tensors that torch .* can load safely"),
+    (edit_weights(lambda w: w["fc.weight"].view(-1)[7].fill_(float("nan"))), "fc.weight hold NaN or infinite values"),
+    (edit_weights(lambda w: w["lm_head.weight"].view(-1)[0].fill_(float("-inf"))), "lm_head.weight hold NaN or infinite"),
+    (edit_weights(lambda w: w["d2t"].__setitem__(250, 9)), r"d2t maps 1 draft ids \(the first: 250\) to target ids "
+                                                           "outside the target vocabulary of 256 tokens"),
+    (edit_weights(lambda w: w["d2t"].__setitem__(3, -4)), r"d2t maps 1 draft ids \(the first: 3\)"),
+    (edit_config(rope_parameters={"rope_type": "default", "rope_theta": "10000"}), "rope_theta must be a number, got "
+                                                                                   "'10000'"),
 ], ids=["missing-tensor", "missing-fc-norm", "missing-d2t", "renamed-layer", "truncated", "empty", "html",
-        "hidden-size", "intermediate-size", "draft-vocab", "heads", "truncated-config", "object-pickle"])
+        "hidden-size", "intermediate-size", "draft-vocab", "heads", "truncated-config", "object-pickle", "nan", "inf",
+        "d2t-past-the-vocabulary", "d2t-negative", "rope-theta-string"])
 def test_bad_checkpoints_get_named_errors(models, tmp_path, damage, error):
     """The project's own layout is read as strictly as the others: nothing random, nothing raw."""
     with pytest.raises(CheckpointError, match=error):
@@ -287,3 +296,43 @@ def test_convert_into_an_existing_folder_replaces_it_whole(models, tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "other"]
     original, converted = (Eagle3DraftModel.from_pretrained(folder) for folder in (models / "drafter", other))
     assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(), converted.state_dict().values()))
+
+
+def test_convert_refuses_a_damaged_head_and_writes_nothing(models, tmp_path, capsys):
+    folder = damaged(models, tmp_path, edit_weights(lambda w: w["fc.weight"].view(-1)[0].fill_(float("nan"))))
+    assert run_cli(["convert", str(folder), str(tmp_path / "out"), "--layout", "specforge"]) == 2
+    assert "fc.weight hold NaN or infinite values" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def three_token_records(tmp_path) -> Path:
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [5 + i, 6 + i, 7 + i]}) + "\n" for i in range(4)))
+    return data
+
+
+def train_argv(models, data, out) -> list[str]:
+    return ["train", "--target", str(models / "target"), "--data", str(data), "--out", str(out), "--steps", "2",
+            "--tune-prompts", "0", "--save-every", "1"]
+
+
+def crash_at_step(monkeypatch, step: int):
+    """`train` fails in its `step`-th training step (as a crash or bad data found late would)."""
+    from hf_eagle31.training import trainer
+
+    real, calls = trainer.training_step, []
+
+    def training_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise RuntimeError("crashed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "training_step", training_step)
