@@ -323,6 +323,12 @@ def train_argv(models, data, out) -> list[str]:
             "--tune-prompts", "0", "--save-every", "1"]
 
 
+def test_train_on_sequences_shorter_than_the_unroll(models, tmp_path):
+    """Three tokens leave fewer positions than the unrolled draft steps: those run past the end, masked."""
+    assert run_cli(train_argv(models, three_token_records(tmp_path), tmp_path / "out")) == 0
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "out").config.vocab_size == 256
+
+
 def crash_at_step(monkeypatch, step: int):
     """`train` fails in its `step`-th training step (as a crash or bad data found late would)."""
     from hf_eagle31.training import trainer
