@@ -342,3 +342,13 @@ def crash_at_step(monkeypatch, step: int):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "training_step", training_step)
+
+
+def test_bench_prompts_without_text_are_named(models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "hello"}\n{"id": 7}\n')
+    assert run_cli(["bench", "--target", str(models / "target"), "--eagle31", str(models / "drafter"), "--prompts",
+                    str(prompts), "--out", str(tmp_path / "bench")]) == 2
+    assert "prompts.jsonl: prompt record 2 has neither a 'text' string nor a non-empty list of 'turns'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "bench").exists()
