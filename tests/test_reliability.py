@@ -305,11 +305,31 @@ def test_convert_refuses_a_damaged_head_and_writes_nothing(models, tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("destination", ["source", "parent"])
+def test_convert_overwrite_never_replaces_its_own_source(models, tmp_path, capsys, destination):
+    source = tmp_path / "drafters" / "mine"
+    shutil.copytree(models / "drafter", source)
+    before = tree_of(tmp_path)
+    dst = source if destination == "source" else source.parent
+    assert run_cli(["convert", str(source), str(dst), "--overwrite"]) == 2
+    assert "holds it: replacing it would delete the source" in capsys.readouterr().err
+    assert tree_of(tmp_path) == before
+
+
 @pytest.fixture
 def umask_022():
     old = os.umask(0o022)
     yield
     os.umask(old)
+
+
+def test_converted_folders_get_the_usual_permissions(models, tmp_path, umask_022):
+    """A converted folder is shared like any other: rwxr-xr-x under umask 022, also when it replaces one."""
+    (tmp_path / "replaced").mkdir(mode=0o755)
+    (tmp_path / "replaced" / "old.txt").write_text("old\n")
+    for name in ("new", "replaced"):
+        assert run_cli(["convert", str(models / "drafter"), str(tmp_path / name), "--overwrite"]) == 0
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o755
 
 
 def three_token_records(tmp_path) -> Path:
@@ -342,6 +362,31 @@ def crash_at_step(monkeypatch, step: int):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "training_step", training_step)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_train_run_leaves_no_partial_output(models, tmp_path, monkeypatch, existing):
+    """What the failed run wrote goes; what the folder held before stays."""
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "notes.md").write_text("mine\n")
+    before = tree_of(tmp_path)
+    data = three_token_records(tmp_path)
+    crash_at_step(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="crashed"):
+        run_cli(train_argv(models, data, out))
+    assert tree_of(tmp_path) == {**before, "short.jsonl": data.read_bytes()}
+
+
+def test_a_failed_train_run_keeps_its_checkpoints_to_resume_from(models, tmp_path, monkeypatch):
+    data, out = three_token_records(tmp_path), tmp_path / "out"
+    crash_at_step(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="crashed"):
+        run_cli(train_argv(models, data, out))
+    assert (out / "checkpoints" / "step_00000001" / "trainer_state.json").is_file()
+    monkeypatch.undo()
+    assert run_cli([*train_argv(models, data, out), "--resume"]) == 0
 
 
 def test_bench_prompts_without_text_are_named(models, tmp_path, capsys):
