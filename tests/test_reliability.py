@@ -200,9 +200,11 @@ def object_pickle(folder):
     (edit_weights(lambda w: w["d2t"].__setitem__(3, -4)), r"d2t maps 1 draft ids \(the first: 3\)"),
     (edit_config(rope_parameters={"rope_type": "default", "rope_theta": "10000"}), "rope_theta must be a number, got "
                                                                                    "'10000'"),
+    (lambda f: (f / "generation_config.json").write_text('{"speculation_mode": "tr'),
+     "generation_config.json is not valid JSON"),
 ], ids=["missing-tensor", "missing-fc-norm", "missing-d2t", "renamed-layer", "truncated", "empty", "html",
         "hidden-size", "intermediate-size", "draft-vocab", "heads", "truncated-config", "object-pickle", "nan", "inf",
-        "d2t-past-the-vocabulary", "d2t-negative", "rope-theta-string"])
+        "d2t-past-the-vocabulary", "d2t-negative", "rope-theta-string", "truncated-generation-config"])
 def test_bad_checkpoints_get_named_errors(models, tmp_path, damage, error):
     """The project's own layout is read as strictly as the others: nothing random, nothing raw."""
     with pytest.raises(CheckpointError, match=error):
