@@ -391,11 +391,15 @@ def test_a_failed_train_run_keeps_its_checkpoints_to_resume_from(models, tmp_pat
     assert run_cli([*train_argv(models, data, out), "--resume"]) == 0
 
 
-def test_bench_prompts_without_text_are_named(models, tmp_path, capsys):
+@pytest.mark.parametrize("records, error", [
+    ('{"text": "hello"}\n{"id": 7}\n', "prompts.jsonl: prompt record 2 has neither a 'text' string nor a non-empty "
+                                       "list of 'turns'"),
+    ('{"text": "hello"}\n{"text": "cut\n', r"prompts.jsonl, line 2: not valid JSON \("),
+], ids=["no-text", "truncated"])
+def test_bench_prompts_without_text_are_named(models, tmp_path, capsys, records, error):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"text": "hello"}\n{"id": 7}\n')
+    prompts.write_text(records)
     assert run_cli(["bench", "--target", str(models / "target"), "--eagle31", str(models / "drafter"), "--prompts",
                     str(prompts), "--out", str(tmp_path / "bench")]) == 2
-    assert "prompts.jsonl: prompt record 2 has neither a 'text' string nor a non-empty list of 'turns'" in \
-        capsys.readouterr().err
+    assert re.search(error, capsys.readouterr().err)
     assert not (tmp_path / "bench").exists()
