@@ -38,7 +38,7 @@ DYNAMIC = {"max_position_embeddings": 32, "rope_parameters": {"rope_type": "dyna
                                                               "factor": 2.0}}
 # name -> (model_type, its tiny config beyond test_architectures.SHAPE)
 TARGETS = {"phi3-longrope": ("phi3", LONGROPE), "llama-dynamic": ("llama", DYNAMIC),
-           "gpt2": ("gpt2", {"max_position_embeddings": 40}), "opt": ("opt", {"max_position_embeddings": 40}),
+           **{name: (name, {"max_position_embeddings": 40}) for name in ("gpt2", "opt", "gpt_bigcode", "biogpt")},
            "deepseek_v2": ("deepseek_v2", {**MLA, **MOE}), "minicpm3": ("minicpm3", MLA)}
 
 
@@ -69,7 +69,7 @@ def test_length_dependent_rope_is_refused_across_its_switch_and_equal_before(nam
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+@pytest.mark.parametrize("model_type", ["gpt2", "opt", "gpt_bigcode", "biogpt"])
 def test_learned_positions_up_to_their_limit_equal_plain_greedy(model_type, mode):
     target, drafter = edge_pair(model_type)
     drafter.generation_config.update(num_assistant_tokens=8, tree_depth=8, dynamic_speculation=False)  # deep drafts
