@@ -337,12 +337,10 @@ def check_target(target: PreTrainedModel) -> None:
             f"{target.config._attn_implementation!r}); generate without the drafter")
 
 
-def rope_types(text_config) -> set[str]:
-    """The rotary scaling kinds of the target's layers (one `rope_parameters`, or one per layer type)."""
+def rope_parameters(text_config) -> list[dict]:
+    """The target's rotary settings: one `rope_parameters`, or one per layer type."""
     parameters = getattr(text_config, "rope_parameters", None) or {}
-    if "rope_type" in parameters:
-        return {parameters["rope_type"]}
-    return {value.get("rope_type") for value in parameters.values() if isinstance(value, dict)}
+    return [parameters] if "rope_type" in parameters else [v for v in parameters.values() if isinstance(v, dict)]
 
 
 def check_positions(target: PreTrainedModel, prompt_length: int, max_length: int) -> None:
@@ -353,20 +351,18 @@ def check_positions(target: PreTrainedModel, prompt_length: int, max_length: int
     draft's deepest position, earlier, and its cached keys keep the old table: another output.
     """
     text = target.config.get_text_config()
-    kinds = rope_types(text)
-    if "longrope" in kinds:
-        parameters = text.rope_parameters
-        original = parameters.get("original_max_position_embeddings") or text.original_max_position_embeddings
-        if prompt_length <= original < max_length:
+    for parameters in rope_parameters(text):
+        original = parameters.get("original_max_position_embeddings")
+        if parameters.get("rope_type") == "longrope" and prompt_length <= original < max_length:
             raise ValueError(
                 f"EAGLE decoding cannot cross {type(target).__name__}'s longrope switch at original_max_position_"
                 f"embeddings={original} (the prompt has {prompt_length} tokens, max_length is {max_length}): plain "
                 "decoding recomputes its cache there; generate without the drafter, or stop at that length")
-    if "dynamic" in kinds and max_length > text.max_position_embeddings:
-        raise ValueError(
-            f"EAGLE decoding cannot run past max_position_embeddings={text.max_position_embeddings} with dynamic "
-            f"rope scaling (max_length is {max_length}): the rotary table then changes with the longest position "
-            "computed, which a draft reaches earlier than plain decoding; generate without the drafter")
+        if parameters.get("rope_type") == "dynamic" and max_length > text.max_position_embeddings:
+            raise ValueError(
+                f"EAGLE decoding cannot run past max_position_embeddings={text.max_position_embeddings} with dynamic "
+                f"rope scaling (max_length is {max_length}): the rotary table then changes with the longest position "
+                "computed, which a draft reaches earlier than plain decoding; generate without the drafter")
 
 
 def check_inputs(target: PreTrainedModel, input_ids: torch.Tensor, mode: str, generation_config, model_kwargs) -> None:
