@@ -5,7 +5,8 @@ reads SRC in any layout (this project's, the EAGLE reference's, SpecForge's, spe
 Automodel's) and writes DST in the chosen one with the weights and the 3.1 switches untouched, or
 refuses a head that layout's readers would run differently (`layouts.ExportError`); `--upgrade`
 switches the 3.1 norms on and fine-tunes instead (see `upgrade.py`). DST must be new or empty
-(`--overwrite` replaces it whole); it is written whole or not at all.
+(`--overwrite` replaces it whole, never the source or a folder holding it); it is written whole or not
+at all.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, layout: str = "hf_eagle
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    with replace_folder(dst, overwrite) as scratch:
+    with replace_folder(dst, overwrite, source=src) as scratch:
         save_in_layout(Eagle3DraftModel.from_pretrained(src, allow_pickle=allow_pickle), scratch, layout, verifier)
     return Path(dst)
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         path = convert_checkpoint(args.src, args.dst, args.layout, args.allow_pickle, args.overwrite, args.verifier)
         print(f"wrote {path} ({args.layout} layout)")
         return 0
-    with replace_folder(args.dst, args.overwrite) as scratch:
+    with replace_folder(args.dst, args.overwrite, source=args.src) as scratch:
         drafter = Eagle3DraftModel.from_pretrained(args.src, allow_pickle=args.allow_pickle)
         upgraded = run_upgrade(args, drafter, scratch)  # saved in this project's layout
         if args.layout != "hf_eagle31":

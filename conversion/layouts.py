@@ -332,7 +332,7 @@ def read_checkpoint(path: str | Path, allow_pickle: bool = False) -> tuple[Eagle
 
 def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str,
                      config: Eagle3Config) -> None:
-    """Missing, unexpected or wrongly shaped weights, each named, before anything is loaded."""
+    """Missing, unexpected, wrongly shaped or damaged weights, each named, before anything is loaded."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -355,6 +355,24 @@ def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.T
             f"{source}: {shapes} (the config's hidden, intermediate, vocabulary, draft vocabulary or attention "
             "head sizes disagree with the weights)"
         )
+    check_values(state, source, config.vocab_size)
+
+
+def check_values(state: dict[str, torch.Tensor], source: str, vocab_size: int) -> None:
+    """Weights that would load and then fail in the middle of a generation, each named: NaN or infinite
+    values (sampling fails on them, greedy picks garbage), and a `d2t` that maps a draft id outside the
+    target vocabulary (an index error at the first draft)."""
+    broken = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if broken:
+        raise CheckpointError(f"{source}: {', '.join(broken)} hold NaN or infinite values: the checkpoint is "
+                              "damaged (or its training diverged)")
+    d2t = state.get("d2t")
+    if d2t is not None:
+        mapped = torch.arange(d2t.shape[0]) + d2t.cpu()
+        outside = ((mapped < 0) | (mapped >= vocab_size)).nonzero().flatten()
+        if len(outside):
+            raise CheckpointError(f"{source}: d2t maps {len(outside)} draft ids (the first: {int(outside[0])}) to "
+                                  f"target ids outside the target vocabulary of {vocab_size} tokens")
 
 
 # --- export ------------------------------------------------------------------------------------

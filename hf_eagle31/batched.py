@@ -24,13 +24,15 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     LogitsProcessorList,
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree, truncate_cache
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -75,8 +77,9 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
     """The processors as they apply to one row alone.
 
     Plain `generate` calls them on the whole batch; rows here advance separately, so each calls them
-    on its own sequence. Two keep per-row state: repetition penalty's prompt pad lengths (one per row)
-    and `prefix_allowed_tokens_fn`'s batch id.
+    on its own sequence. Four keep per-row state: repetition penalty's prompt pad lengths (one per row),
+    the encoder repetition penalty's prompts and the encoder n-gram ban's n-grams (one per row), and
+    `prefix_allowed_tokens_fn`'s batch id.
     """
     views = []
     for processor in processors:
@@ -84,6 +87,12 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
                                                                                   torch.Tensor):
             processor = copy.copy(processor)
             processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.encoder_input_ids = processor.encoder_input_ids[row : row + 1]
+        elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+            processor = copy.copy(processor)
+            processor.batch_size, processor.generated_ngrams = 1, processor.generated_ngrams[row : row + 1]
         elif isinstance(processor, PrefixConstrainedLogitsProcessor):
             processor = copy.copy(processor)
             allowed = processor._prefix_allowed_tokens_fn
@@ -143,10 +152,10 @@ def compact_rows(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Te
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        keys, values = layer.keys[:, :, start:], layer.values[:, :, start:]
-        gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-        layer.keys[:, :, start : start + longest] = keys.gather(2, gather)
-        layer.values[:, :, start : start + longest] = values.gather(2, gather.expand(-1, -1, -1, values.shape[3]))
+        for entries in (layer.keys, layer.values):  # their head sizes differ in MLA targets (DeepSeek, MiniCPM3)
+            block = entries[:, :, start:]
+            gather = index[:, None, :, None].expand(-1, block.shape[1], -1, block.shape[3])
+            entries[:, :, start : start + longest] = block.gather(2, gather)
     truncate_cache(cache, start + longest)
     return real
 
@@ -227,9 +236,11 @@ def eagle_batched_decoding(
 
     while rows:
         began = time.perf_counter()
+        longest = max(row.sequence.shape[1] for row in rows)
+        depth = draft_depth(controller.length, longest, generation_config.max_length)
         speculate = monitor.should_speculate()
-        if speculate:
-            trees = draft(state, rows, mode, controller.length, top_k, total_tokens, choose)
+        if speculate and depth > 0:
+            trees = draft(state, rows, mode, depth, top_k, total_tokens, choose)
         else:
             trees = [DraftTree.root_only(row.sequence[0, -1:]) for row in rows]
         drafted = time.perf_counter()

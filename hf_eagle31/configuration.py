@@ -136,6 +136,9 @@ class Eagle3Config(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})."
             )
+        theta = (self.rope_parameters or {}).get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float, type(None))):
+            raise ValueError(f"rope_theta must be a number, got {theta!r}.")
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("fc_norm (one RMSNorm per captured layer) and norm_before_fc (one RMSNorm over their "
                              "concatenation) exclude each other.")

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 logger = logging.getLogger("hf_eagle31")
 
 
+def draft_depth(wanted: int, length: int, max_length: int) -> int:
+    """How deep to draft after a sequence of `length` tokens: `wanted`, but no draft token at position
+    `max_length - 1` or later (it could not be emitted), a position plain decoding never computes
+    and a target with learned positions (GPT-2, OPT) may have no embedding for."""
+    return min(wanted, max_length - length - 1)
+
+
 @dataclass
 class LengthController:
     """A PID controller on the recent hit rate (accepted / proposed draft depth).

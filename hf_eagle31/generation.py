@@ -30,7 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_eagle31.batched import eagle_batched_decoding
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_ids
-from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -195,7 +195,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             self.state.push(*without_padding(features, input_ids[:, -features.shape[1] :], self.key_padding))
             self.prefilled = True
         self.step_started = time.perf_counter()
-        steps = min(self.controller.length, self.max_length - input_ids.shape[1] - 1)
+        steps = draft_depth(self.controller.length, input_ids.shape[1], self.max_length)
         if steps <= 0 or not self.monitor.should_speculate():
             self.proposed = 0
             return input_ids, None
@@ -343,8 +343,44 @@ def check_target(target: PreTrainedModel) -> None:
             f"{target.config._attn_implementation!r}); generate without the drafter")
 
 
-def check_inputs(generation_config, model_kwargs) -> None:
+def rope_parameters(text_config) -> list[dict]:
+    """The target's rotary settings: one `rope_parameters`, or one per layer type."""
+    parameters = getattr(text_config, "rope_parameters", None) or {}
+    return [parameters] if "rope_type" in parameters else [v for v in parameters.values() if isinstance(v, dict)]
+
+
+def check_positions(target: PreTrainedModel, prompt_length: int, max_length: int) -> None:
+    """Refuse rotary tables that change with the sequence length while this call crosses the length they change at.
+
+    Plain decoding meets such a change one position at a time (Phi-3's longrope even recomputes its
+    cache when it crosses `original_max_position_embeddings`); a verify forward meets it at a
+    draft's deepest position, earlier, and its cached keys keep the old table: another output.
+    """
+    text = target.config.get_text_config()
+    for parameters in rope_parameters(text):
+        original = parameters.get("original_max_position_embeddings")
+        if parameters.get("rope_type") == "longrope" and prompt_length <= original < max_length:
+            raise ValueError(
+                f"EAGLE decoding cannot cross {type(target).__name__}'s longrope switch at original_max_position_"
+                f"embeddings={original} (the prompt has {prompt_length} tokens, max_length is {max_length}): plain "
+                "decoding recomputes its cache there; generate without the drafter, or stop at that length")
+        if parameters.get("rope_type") == "dynamic" and max_length > text.max_position_embeddings:
+            raise ValueError(
+                f"EAGLE decoding cannot run past max_position_embeddings={text.max_position_embeddings} with dynamic "
+                f"rope scaling (max_length is {max_length}): the rotary table then changes with the longest position "
+                "computed, which a draft reaches earlier than plain decoding; generate without the drafter")
+
+
+def check_inputs(target: PreTrainedModel, input_ids: torch.Tensor, mode: str, generation_config, model_kwargs) -> None:
     """Refuse, by name and before any work, what EAGLE decoding cannot do exactly."""
+    check_positions(target, input_ids.shape[1], generation_config.max_length)
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask[:, -1].all()):
+        raise ValueError("EAGLE decoding needs left-padded prompts (tokenizer.padding_side = 'left'); these are "
+                         "right-padded, which plain generate too decodes wrongly (it continues from the pads)")
+    if generation_config.guidance_scale not in (None, 1) and (mode == "chain" or input_ids.shape[0] > 1):
+        raise ValueError("EAGLE decoding supports classifier-free guidance (guidance_scale) only in tree mode with "
+                         "one prompt: its processor runs the target on one sequence, one token at a time")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("EAGLE decoding cannot return attentions or hidden states (output_attentions / "
                          "output_hidden_states); generate without the drafter for those")
@@ -427,9 +463,10 @@ def eagle_tree_decoding(
     while not stop:
         root = sequence[0][0, -1:]
         began = time.perf_counter()
+        depth = draft_depth(controller.length, sequence[0].shape[1], generation_config.max_length)
         speculate = monitor.should_speculate()
-        if speculate:
-            tree = draft_tree(state, root, controller.length, top_k, total_tokens)[0]
+        if speculate and depth > 0:
+            tree = draft_tree(state, root, depth, top_k, total_tokens)[0]
         else:
             tree = DraftTree.root_only(root)
         drafted = time.perf_counter()
@@ -521,8 +558,8 @@ def install() -> None:
         drafter = kwargs.get("assistant_model")
         if not isinstance(drafter, Eagle3DraftModel):
             return assisted(self, input_ids, *args, **kwargs)
-        check_inputs(kwargs["generation_config"], kwargs)
         mode = speculation_setting(drafter, "speculation_mode")
+        check_inputs(self, input_ids, mode, kwargs["generation_config"], kwargs)
         pack = packs_weights(drafter)
         with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
             if mode == "chain" and input_ids.shape[0] == 1:

@@ -179,10 +179,8 @@ class Eagle3DraftModel(PreTrainedModel):
             expected = cls(config).state_dict()
         layouts.check_state_dict(expected, state, f"{pretrained_model_name_or_path} ({layout} layout)", config)
         model = super().from_pretrained(None, *args, config=config, state_dict=state, **kwargs)
-        try:
-            saved = GenerationConfig.from_pretrained(folder).to_diff_dict()
-        except OSError:  # no generation_config.json: the defaults
-            saved = {}
+        file = folder / "generation_config.json"  # none: the defaults; a damaged one is named, not skipped
+        saved = GenerationConfig.from_dict(layouts.read_json(file)).to_diff_dict() if file.is_file() else {}
         tree = safeailab_tree_settings(total_token, depth, top_k)
         tree = {"speculation_mode": "tree", **tree} if tree else {}
         model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved, **tree})

@@ -6,6 +6,7 @@ error text a user should read.
 
 import copy
 import json
+import os
 import re
 import shutil
 import threading
@@ -192,8 +193,18 @@ def object_pickle(folder):
     (edit_config(num_attention_heads=3), "config.json does not describe a valid drafter: num_attention_heads"),
     (lambda f: (f / "config.json").write_text('{"model_type": "eagle3_'), "config.json is not valid JSON"),
     (object_pickle, "pytorch_model.bin is not a pickle of plain tensors that torch .* can load safely"),
+    (edit_weights(lambda w: w["fc.weight"].view(-1)[7].fill_(float("nan"))), "fc.weight hold NaN or infinite values"),
+    (edit_weights(lambda w: w["lm_head.weight"].view(-1)[0].fill_(float("-inf"))), "lm_head.weight hold NaN or infinite"),
+    (edit_weights(lambda w: w["d2t"].__setitem__(250, 9)), r"d2t maps 1 draft ids \(the first: 250\) to target ids "
+                                                           "outside the target vocabulary of 256 tokens"),
+    (edit_weights(lambda w: w["d2t"].__setitem__(3, -4)), r"d2t maps 1 draft ids \(the first: 3\)"),
+    (edit_config(rope_parameters={"rope_type": "default", "rope_theta": "10000"}), "rope_theta must be a number, got "
+                                                                                   "'10000'"),
+    (lambda f: (f / "generation_config.json").write_text('{"speculation_mode": "tr'),
+     "generation_config.json is not valid JSON"),
 ], ids=["missing-tensor", "missing-fc-norm", "missing-d2t", "renamed-layer", "truncated", "empty", "html",
-        "hidden-size", "intermediate-size", "draft-vocab", "heads", "truncated-config", "object-pickle"])
+        "hidden-size", "intermediate-size", "draft-vocab", "heads", "truncated-config", "object-pickle", "nan", "inf",
+        "d2t-past-the-vocabulary", "d2t-negative", "rope-theta-string", "truncated-generation-config"])
 def test_bad_checkpoints_get_named_errors(models, tmp_path, damage, error):
     """The project's own layout is read as strictly as the others: nothing random, nothing raw."""
     with pytest.raises(CheckpointError, match=error):
@@ -287,3 +298,108 @@ def test_convert_into_an_existing_folder_replaces_it_whole(models, tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "other"]
     original, converted = (Eagle3DraftModel.from_pretrained(folder) for folder in (models / "drafter", other))
     assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(), converted.state_dict().values()))
+
+
+def test_convert_refuses_a_damaged_head_and_writes_nothing(models, tmp_path, capsys):
+    folder = damaged(models, tmp_path, edit_weights(lambda w: w["fc.weight"].view(-1)[0].fill_(float("nan"))))
+    assert run_cli(["convert", str(folder), str(tmp_path / "out"), "--layout", "specforge"]) == 2
+    assert "fc.weight hold NaN or infinite values" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("destination", ["source", "parent"])
+def test_convert_overwrite_never_replaces_its_own_source(models, tmp_path, capsys, destination):
+    source = tmp_path / "drafters" / "mine"
+    shutil.copytree(models / "drafter", source)
+    before = tree_of(tmp_path)
+    dst = source if destination == "source" else source.parent
+    assert run_cli(["convert", str(source), str(dst), "--overwrite"]) == 2
+    assert "holds it: replacing it would delete the source" in capsys.readouterr().err
+    assert tree_of(tmp_path) == before
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_converted_folders_get_the_usual_permissions(models, tmp_path, umask_022):
+    """A converted folder is shared like any other: rwxr-xr-x under umask 022, also when it replaces one."""
+    (tmp_path / "replaced").mkdir(mode=0o755)
+    (tmp_path / "replaced" / "old.txt").write_text("old\n")
+    for name in ("new", "replaced"):
+        assert run_cli(["convert", str(models / "drafter"), str(tmp_path / name), "--overwrite"]) == 0
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o755
+
+
+def three_token_records(tmp_path) -> Path:
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [5 + i, 6 + i, 7 + i]}) + "\n" for i in range(4)))
+    return data
+
+
+def train_argv(models, data, out) -> list[str]:
+    return ["train", "--target", str(models / "target"), "--data", str(data), "--out", str(out), "--steps", "2",
+            "--tune-prompts", "0", "--save-every", "1"]
+
+
+def test_train_on_sequences_shorter_than_the_unroll(models, tmp_path):
+    """Three tokens leave fewer positions than the unrolled draft steps: those run past the end, masked."""
+    assert run_cli(train_argv(models, three_token_records(tmp_path), tmp_path / "out")) == 0
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "out").config.vocab_size == 256
+
+
+def crash_at_step(monkeypatch, step: int):
+    """`train` fails in its `step`-th training step (as a crash or bad data found late would)."""
+    from hf_eagle31.training import trainer
+
+    real, calls = trainer.training_step, []
+
+    def training_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise RuntimeError("crashed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "training_step", training_step)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_train_run_leaves_no_partial_output(models, tmp_path, monkeypatch, existing):
+    """What the failed run wrote goes; what the folder held before stays."""
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "notes.md").write_text("mine\n")
+    before = tree_of(tmp_path)
+    data = three_token_records(tmp_path)
+    crash_at_step(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="crashed"):
+        run_cli(train_argv(models, data, out))
+    assert tree_of(tmp_path) == {**before, "short.jsonl": data.read_bytes()}
+
+
+def test_a_failed_train_run_keeps_its_checkpoints_to_resume_from(models, tmp_path, monkeypatch):
+    data, out = three_token_records(tmp_path), tmp_path / "out"
+    crash_at_step(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="crashed"):
+        run_cli(train_argv(models, data, out))
+    assert (out / "checkpoints" / "step_00000001" / "trainer_state.json").is_file()
+    monkeypatch.undo()
+    assert run_cli([*train_argv(models, data, out), "--resume"]) == 0
+
+
+@pytest.mark.parametrize("records, error", [
+    ('{"text": "hello"}\n{"id": 7}\n', "prompts.jsonl: prompt record 2 has neither a 'text' string nor a non-empty "
+                                       "list of 'turns'"),
+    ('{"text": "hello"}\n{"text": "cut\n', r"prompts.jsonl, line 2: not valid JSON \("),
+], ids=["no-text", "truncated"])
+def test_bench_prompts_without_text_are_named(models, tmp_path, capsys, records, error):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(records)
+    assert run_cli(["bench", "--target", str(models / "target"), "--eagle31", str(models / "drafter"), "--prompts",
+                    str(prompts), "--out", str(tmp_path / "bench")]) == 2
+    assert re.search(error, capsys.readouterr().err)
+    assert not (tmp_path / "bench").exists()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from hf_eagle31.training.data import read_jsonl
+
 DEMO = Path("examples/demo_pair")
 SMOLLM2 = Path("examples/smollm2")
 CALIBRATION_PROMPTS = 10  # tuning is only as good as its acceptance sample
@@ -86,17 +88,27 @@ def read_texts(path: str, all_turns: bool = False) -> list[str]:
     """Prompt texts from JSONL lines with `text` or `turns` (the first turn, or all of them joined)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    texts = [r["text"] if "text" in r else ("\n\n".join(r["turns"]) if all_turns else r["turns"][0]) for r in records]
+    records = list(read_jsonl(Path(path)))
+    texts = [prompt_text(record, path, number, all_turns) for number, record in enumerate(records, 1)]
     if not texts:
         raise ValueError(f"no prompts in {path}")
     return texts
 
 
+def prompt_text(record, path: str, number: int, all_turns: bool) -> str:
+    """A record's `text`, or its `turns` (the first, or all joined); a record with neither is named."""
+    turns = record.get("turns") if isinstance(record, dict) else None
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(turn, str) for turn in turns):
+        raise ValueError(f"{path}: prompt record {number} has neither a 'text' string nor a non-empty list of "
+                         "'turns' strings")
+    return "\n\n".join(turns) if all_turns else turns[0]
+
+
 def read_documents(path: str) -> list[str] | list[list[dict]]:
     """--drift's long contexts: whole conversations (records with 'messages') or texts ('text' / joined 'turns')."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()] \
-        if Path(path).is_file() else []
+    records = list(read_jsonl(Path(path))) if Path(path).is_file() else []
     if records and all("messages" in r for r in records):
         return [r["messages"] for r in records]
     return read_texts(path, all_turns=True)

@@ -8,10 +8,14 @@ are both split between them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
+from accelerate import PartialState
+
+from hf_eagle31.folders import removed_on_failure
 from hf_eagle31.training.distill import ANSWERS
-from hf_eagle31.training.trainer import ARCHITECTURES, MAX_TTT_STEPS, TrainingConfig, train_drafter
+from hf_eagle31.training.trainer import ARCHITECTURES, MAX_TTT_STEPS, TrainingConfig, resumable, train_drafter
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -86,5 +90,6 @@ def run(args: argparse.Namespace) -> None:
              "save_every", "feature_cache", "resume", "seed", "max_turns", "distill_batch_size", "token_budget",
              "tune_prompts", "loss_decay", "lk_eta", "answers"}
     config = TrainingConfig(**{name: getattr(args, name) for name in names})
-    train_drafter(target, args.data, args.out, tokenizer=tokenizer, drafter=drafter, config=config)
+    with removed_on_failure(args.out, resumable) if PartialState().is_main_process else contextlib.nullcontext():
+        train_drafter(target, args.data, args.out, tokenizer=tokenizer, drafter=drafter, config=config)
     print(f"saved the drafter to {Path(args.out)}")

@@ -76,7 +76,8 @@ def _json_list(text: str, path: Path) -> Iterator[dict]:
         yield record
 
 
-def _jsonl(path: Path) -> Iterator[dict]:
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """The records of a JSONL file; a line that is not JSON is named by file and number."""
     with path.open() as f:
         for number, line in enumerate(f, 1):
             if line.strip():
@@ -97,7 +98,7 @@ def read_records(source: str | Path | Iterable[dict]) -> Iterator[dict]:
         if not files:
             raise FileNotFoundError(f"training data folder {path} holds no .jsonl files")
         for file in files:
-            yield from _jsonl(file)
+            yield from read_jsonl(file)
     elif not path.is_file():
         raise FileNotFoundError(f"training data {path} does not exist")
     else:
@@ -105,7 +106,7 @@ def read_records(source: str | Path | Iterable[dict]) -> Iterator[dict]:
         if text.lstrip().startswith("["):
             yield from _json_list(text, path)
         else:
-            yield from _jsonl(path)
+            yield from read_jsonl(path)
 
 
 def _conversation(turns: list, number: int, name: str) -> Conversation:

@@ -134,6 +134,11 @@ def drafter_config_for(target: PreTrainedModel, arch: str = "eagle3.1", draft_vo
 # --- checkpoints and the log ---------------------------------------------------------------------
 
 
+def resumable(out_dir: Path) -> bool:
+    """Whether a run left something in `out_dir` that `--resume` or a repeated run reuses: a checkpoint, or answers."""
+    return any((out_dir / "checkpoints").glob(f"step_*/{STATE}")) or any((out_dir / DISTILLED).glob("*"))
+
+
 def latest_checkpoint(out_dir: Path) -> tuple[Path, int] | None:
     """The newest complete checkpoint and its step, checked readable before any long work starts."""
     complete = sorted((out_dir / "checkpoints").glob(f"step_*/{STATE}"))

@@ -46,8 +46,9 @@ def unroll(
     cache = DynamicCache()
     hidden = features[:, :-1].to(drafter.fc.weight.dtype)
     outputs = []
+    padded = F.pad(input_ids, (0, steps))  # a sequence shorter than the unroll runs past its end
     for step in range(steps):
-        tokens = F.pad(input_ids[:, step + 1 :], (0, step))  # x[t+step+1]
+        tokens = padded[:, step + 1 : step + 1 + length]  # x[t+step+1]
         mask = ttt_tail_mask(length, step, input_ids.device)
         keep = None if loss_mask is None else step_mask(loss_mask, step, length)
         out = drafter(tokens, hidden, positions + step, cache, mask, logits_at=keep)
