@@ -31,14 +31,18 @@ def test_packed_forward_matches_the_default_path_and_unpacking_restores_every_bi
     assert torch.equal(target(PROMPTS[:2]).logits, reference)
 
 
-def test_weights_tied_to_another_module_stay_as_they_are():
+def test_weights_tied_to_another_module_stay_as_they_are_and_compute_the_same():
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.tensor([[3, 5, 7, 11, 13]])
+    reference = model(ids).logits
     swapped = pack_linears(model)
-    assert model.lm_head not in swapped and torch.isfinite(model.model.embed_tokens.weight).all()
+    assert not hasattr(model.lm_head, "packed_weight") and torch.isfinite(model.model.embed_tokens.weight).all()
+    assert torch.allclose(model(ids).logits, reference, atol=1e-5, rtol=1e-4)  # the head multiplied transposed
     unpack_linears(swapped)
+    assert "forward" not in vars(model.lm_head) and torch.equal(model(ids).logits, reference)
 
 
 def test_an_eagle_call_leaves_the_target_as_it_found_it():
