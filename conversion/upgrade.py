@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 from hf_eagle31.generation import prepare_drafter
 from hf_eagle31.model_cards.card import write_model_card
 from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.packaged import hub_id
 from hf_eagle31.training.data import SequenceDataset, TrainingSequence, collate
 from hf_eagle31.training.evaluation import AcceptanceReport, evaluate_acceptance
 from hf_eagle31.training.teacher import target_states
@@ -106,7 +107,7 @@ def upgrade_drafter(
     reports["EAGLE 3.1 (upgraded, fine-tuned)"] = evaluate_acceptance(tuned, target, evaluation, depth)
     runs = [{"name": f"{name}, held-out teacher-forced", **report.as_dict()} for name, report in reports.items()]
     (out_dir / "upgrade_acceptance.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
-    write_model_card(out_dir, base_model=target.name_or_path or None, benchmark={"runs": runs})
+    write_model_card(out_dir, base_model=hub_id(target.name_or_path), benchmark={"runs": runs})
     return tuned, reports
 
 

@@ -553,8 +553,10 @@ def verifier_of(folder):
 def test_speculators_export_names_the_verifier(tmp_path, target, plain):
     with pytest.raises(ExportError, match="must name the verifier"):  # nothing recorded, nothing given
         save_in_layout(plain, tmp_path / "none", "speculators")
-    target.save_pretrained(tmp_path / "target")  # a local target: its architectures are read too
-    save_in_layout(plain, tmp_path / "given", "speculators", str(tmp_path / "target"))
+    target.save_pretrained(tmp_path / "target")  # a local target: refused unless insisted on, its architectures read
+    with pytest.raises(ExportError, match="must be a Hub id.*local_verifier=True"):
+        save_in_layout(plain, tmp_path / "given", "speculators", str(tmp_path / "target"))
+    save_in_layout(plain, tmp_path / "given", "speculators", str(tmp_path / "target"), local_verifier=True)
     assert verifier_of(tmp_path / "given") == {"name_or_path": str(tmp_path / "target"),
                                                 "architectures": ["LlamaForCausalLM"]}
     config = speculators_config(plain, plain.config.target_layer_ids, norm_before_residual=False)

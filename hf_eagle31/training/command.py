@@ -57,15 +57,16 @@ def load_target(name: str):
     """The target and its tokenizer (None if it has none), with a clear error for an unreadable folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_eagle31.packaged import resolve_model
+    from hf_eagle31.packaged import portable_name, resolve_model
 
-    name = resolve_model(name)
+    path = resolve_model(name)
     try:
-        target = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+        target = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load the target model {name}: {err}") from None
+        raise ValueError(f"cannot load the target model {path}: {err}") from None
+    target.name_or_path = portable_name(name)  # a packaged model by its Hub id, not this machine's cache folder
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         tokenizer = None
     return target, tokenizer

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from hf_eagle31.configuration import Eagle3Config
 from hf_eagle31.generation import prepare_drafter
 from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.packaged import hub_id, model_name
 from hf_eagle31.training.data import (
     EpochShuffle,
     SequenceDataset,
@@ -420,7 +421,7 @@ def train_drafter(
         write_training_args(out_dir, target, data, config, sequences, total)
         from hf_eagle31.model_cards.card import write_model_card
 
-        write_model_card(out_dir, base_model=target.name_or_path or None)
+        write_model_card(out_dir, base_model=hub_id(target.name_or_path))
     return drafter
 
 
@@ -441,7 +442,7 @@ def tune_on(target: PreTrainedModel, drafter: Eagle3DraftModel, held_out: list[T
 def write_training_args(out_dir: Path, target: PreTrainedModel, data, config: TrainingConfig,
                         sequences: list[TrainingSequence], total_steps: int) -> None:
     record = {
-        "target": target.name_or_path or type(target).__name__,
+        "target": model_name(target),
         "data": str(data) if isinstance(data, (str, Path)) else f"{type(data).__name__} of records",
         "sequences": len(sequences),
         "answer_tokens": sum(sum(s.loss_mask) for s in sequences),
