@@ -213,7 +213,8 @@ def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
         (HERE / name / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
         (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
         bench = BENCH if BENCH.exists() else None  # the cards carry the drafters' measured rows once there are some
-        write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", benchmark=bench)
+        write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", benchmark=bench,
+                         datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"])
         print(f"{name}: chosen {report.choice}")
 
 
