@@ -8,7 +8,7 @@ Two modes, chosen by `drafter.generation_config.speculation_mode`:
     drafts an EAGLE-2 dynamic tree and verifies it in one target forward.
 
 transformers has no registry for third-party candidate generators, so importing hf_eagle31 wraps
-three `GenerationMixin` methods (`install`). Each wrapper acts only when `assistant_model` is an
+four `GenerationMixin` methods (`install`). Each wrapper acts only when `assistant_model` is an
 `Eagle3DraftModel` and otherwise calls the original with the same arguments.
 """
 
@@ -494,13 +494,21 @@ def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
 
 
+CONTINUOUS_BATCHING_REFUSAL = (
+    "EAGLE drafters are not supported by continuous batching (generate_batch) yet: its paged cache gives each request "
+    "one new token per step, and it would ignore the drafter and decode without it. Use "
+    "target.generate(input_ids, attention_mask=..., assistant_model=drafter), which also takes a padded batch")
+
+
 def install() -> None:
-    """Wrap the three GenerationMixin methods that decide how assisted generation runs (idempotent)."""
+    """Wrap the GenerationMixin methods that decide how assisted generation runs, and refuse a drafter in
+    `generate_batch`, which would silently decode without it (idempotent)."""
     if getattr(GenerationMixin._assisted_decoding, "_hf_eagle31", False):
         return
     validate = GenerationMixin._validate_generation_mode
     assisted = GenerationMixin._assisted_decoding
     candidates = GenerationMixin._get_candidate_generator
+    continuous = GenerationMixin.generate_batch
 
     @functools.wraps(validate)
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
@@ -533,6 +541,12 @@ def install() -> None:
             return EagleCandidateGenerator(self, drafter, kwargs["generation_config"], kwargs.get("target_tokenizer"))
         return candidates(self, *args, **kwargs)
 
-    for wrapper in (_validate_generation_mode, _assisted_decoding, _get_candidate_generator):
+    @functools.wraps(continuous)
+    def generate_batch(self, *args, **kwargs):
+        if isinstance(kwargs.get("assistant_model"), Eagle3DraftModel):
+            raise NotImplementedError(CONTINUOUS_BATCHING_REFUSAL)
+        return continuous(self, *args, **kwargs)
+
+    for wrapper in (_validate_generation_mode, _assisted_decoding, _get_candidate_generator, generate_batch):
         wrapper._hf_eagle31 = True
         setattr(GenerationMixin, wrapper.__name__, wrapper)

@@ -159,6 +159,15 @@ def test_what_eagle_cannot_do_is_refused_by_name(mode, kwargs, message):
     assert target.config._attn_implementation != "eagle_tree"
 
 
+def test_continuous_batching_refuses_a_drafter_it_would_ignore():
+    """transformers' generate_batch takes any keyword and would decode without the drafter, silently."""
+    target, drafter = trained_pair("llama", True)
+    with pytest.raises(NotImplementedError, match="EAGLE drafters are not supported by continuous batching"):
+        target.generate_batch([PROMPTS[0].tolist()], assistant_model=drafter, max_new_tokens=5)
+    with pytest.raises(NotImplementedError, match="assistant_model is not supported"):  # the paged cache, in generate
+        target.generate(PROMPTS[:1], max_new_tokens=5, assistant_model=drafter, cache_implementation="paged")
+
+
 @pytest.mark.parametrize("setting, value", [("speculation_mode", "CHAIN"), ("speculation_mode", "banana"),
                                             ("speculation_mode", None), ("verify_mode", "fast"),
                                             ("tree_top_k", 0), ("tree_top_k", 10**6), ("tree_depth", -1),
