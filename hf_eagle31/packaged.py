@@ -109,19 +109,20 @@ def packaged_model_path(name: str) -> Path:
     return folder
 
 
+def missing_folder(name: str) -> bool:
+    """Whether `name` can only be a folder on this machine (a path, or neither a Hub id nor a packaged name) and is
+    not there: named as such, not met as a Hub repository error from transformers."""
+    return name not in PACKAGED and not Path(name).expanduser().exists() and is_local_path(name)
+
+
 def resolve_model(name_or_path: str) -> str:
     """A target given as a packaged model's name becomes its cached folder; a folder or a Hub id is kept; anything
     else (a mistyped path) is named here, not met as a Hub error from transformers."""
     if name_or_path in PACKAGED:
         return str(packaged_model_path(name_or_path))
-    if not Path(name_or_path).exists():
-        try:
-            validate_repo_id(name_or_path)
-        except HFValidationError:
-            raise FileNotFoundError(
-                f"cannot load the target model {name_or_path}: there is no such folder, and it is neither a Hub "
-                f"repository id nor a packaged model ({', '.join(PACKAGED)})"
-            ) from None
+    if missing_folder(name_or_path):
+        raise FileNotFoundError(f"cannot load the target model {name_or_path}: there is no such folder, and it is "
+                                f"neither a Hub repository id nor a packaged model ({', '.join(PACKAGED)})")
     return name_or_path
 
 
@@ -184,5 +185,5 @@ def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: s
     return model, AutoTokenizer.from_pretrained(folder)
 
 
-__all__ = ["PACKAGED", "hub_id", "load_packaged_model", "model_name", "packaged_model_path", "portable_name", "require_hub_id",
+__all__ = ["PACKAGED", "hub_id", "load_packaged_model", "missing_folder", "model_name", "packaged_model_path", "portable_name", "require_hub_id",
            "resolve_model"]

@@ -394,7 +394,7 @@ def test_cli_converts(tmp_path, plain, capsys):
     assert config["speculators_model_type"] == "eagle3"
     assert config["speculators_config"]["verifier"]["name_or_path"] == "example-org/target"
     assert cli(["convert", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
-    assert "neither a checkpoint folder nor a Hub repository id" in capsys.readouterr().err  # one line, no trace
+    assert f"no such folder: {tmp_path / 'missing'}" in capsys.readouterr().err  # one line, no trace
 
 
 def test_missing_files_get_named_errors(tmp_path, plain):

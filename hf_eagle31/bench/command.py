@@ -46,14 +46,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--documents", help="--drift: long texts (JSONL, 'text' or 'turns') to cut context-length prompts from")
     add("--num-prompts", type=int, default=20, help="prompts measured per dataset, spread over the file; "
         f"{CALIBRATION_PROMPTS} others in all calibrate the tuning")
-    add("--max-new-tokens", type=int, default=128)
+    add("--max-new-tokens", type=int, default=128, help="tokens generated per prompt by every method")
     add("--temperature", type=float, default=0.0, help="0: greedy (outputs checked against the target's); "
         "> 0: sampling, the same seed per prompt for every method")
     add("--no-chat-template", action="store_true", help="tokenize prompts as plain text even if the tokenizer "
         "has a chat template")
     add("--verify-modes", action="store_true", help="also run EAGLE 3.1 tree with micro-batched and exact verify")
-    add("--prompt-lookup-tokens", type=int, default=10)
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--prompt-lookup-tokens", type=int, default=10, help="prompt lookup decoding's draft length")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the models run")
     add("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's dtype on CUDA), bfloat16, float16 "
         "or float32")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
@@ -68,7 +68,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--resume with a larger number goes on")
     add("--resume", action="store_true", help="reuse the parts and the tuning an interrupted run with the same "
         "settings saved in --out, and run only what is missing")
-    add("--out", default="runs/bench")
+    add("--out", default="runs/bench", help="folder for results.json, results.md and the plots")
 
 
 def resolve_pair(args: argparse.Namespace) -> None:

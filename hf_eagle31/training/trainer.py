@@ -14,6 +14,7 @@ import csv
 import json
 import math
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -435,6 +436,7 @@ def tune_on(target: PreTrainedModel, drafter: Eagle3DraftModel, held_out: list[T
     prompts = [p for p in prompts if p.shape[1] > 0]
     if not prompts:
         return
+    tqdm.write(f"tuning the draft shape for this device on {len(prompts)} held-out prompts", file=sys.stderr)
     report = tune_drafter(target, drafter, prompts, min(max_new_tokens, 96))
     (out_dir / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
 
