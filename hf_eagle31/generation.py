@@ -33,6 +33,7 @@ from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_
 from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
+from hf_eagle31.kernels.tree_attention import require_triton
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
 from hf_eagle31.verification import (
@@ -72,8 +73,12 @@ def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
 
 
 def verify_mode(drafter: Eagle3DraftModel) -> str:
-    """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`)."""
-    return speculation_setting(drafter, "verify_mode")
+    """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`); "kernel" asks for the
+    Triton kernel, whose missing extra is named before any work."""
+    mode = speculation_setting(drafter, "verify_mode")
+    if mode == "kernel":
+        require_triton()
+    return mode
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:

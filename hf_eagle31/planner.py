@@ -433,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_plan(plan: MemoryPlan, target: str) -> None:
-    from rich.console import Console  # rich comes with transformers (through typer)
+    from rich.console import Console
     from rich.table import Table
 
     console = Console()
