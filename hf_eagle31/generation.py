@@ -8,7 +8,7 @@ Two modes, chosen by `drafter.generation_config.speculation_mode`:
     drafts an EAGLE-2 dynamic tree and verifies it in one target forward.
 
 transformers has no registry for third-party candidate generators, so importing hf_eagle31 wraps
-four `GenerationMixin` methods (`install`). Each wrapper acts only when `assistant_model` is an
+five `GenerationMixin` methods (`install`). Each wrapper acts only when `assistant_model` is an
 `Eagle3DraftModel` and otherwise calls the original with the same arguments.
 """
 
@@ -499,6 +499,18 @@ def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
 
 
+def refuse_call_settings(kwargs: dict) -> None:
+    """A speculation setting passed to `generate` would reach transformers as an unused model keyword: name where it
+    belongs instead (the drafter's generation config, which every call with that drafter reads)."""
+    given = [name for name in SPECULATION_DEFAULTS if name in kwargs]
+    if given:
+        name = given[0]
+        raise ValueError(
+            f"{', '.join(given)}: speculation settings belong to the drafter, not to one generate() call; set "
+            f"drafter.generation_config.{name} = {kwargs[name]!r} (it stays for later calls), or load the drafter "
+            f"with Eagle3DraftModel.from_pretrained(path, {name}={kwargs[name]!r})")
+
+
 CONTINUOUS_BATCHING_REFUSAL = (
     "EAGLE drafters are not supported by continuous batching (generate_batch) yet: its paged cache gives each request "
     "one new token per step, and it would ignore the drafter and decode without it. Use "
@@ -514,6 +526,7 @@ def install() -> None:
     assisted = GenerationMixin._assisted_decoding
     candidates = GenerationMixin._get_candidate_generator
     continuous = GenerationMixin.generate_batch
+    extract = GenerationMixin._extract_generation_mode_kwargs
 
     @functools.wraps(validate)
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
@@ -546,12 +559,19 @@ def install() -> None:
             return EagleCandidateGenerator(self, drafter, kwargs["generation_config"], kwargs.get("target_tokenizer"))
         return candidates(self, *args, **kwargs)
 
+    @functools.wraps(extract)
+    def _extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
+        if isinstance(assistant_model, Eagle3DraftModel):
+            refuse_call_settings(kwargs)
+        return extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+
     @functools.wraps(continuous)
     def generate_batch(self, *args, **kwargs):
         if isinstance(kwargs.get("assistant_model"), Eagle3DraftModel):
             raise NotImplementedError(CONTINUOUS_BATCHING_REFUSAL)
         return continuous(self, *args, **kwargs)
 
-    for wrapper in (_validate_generation_mode, _assisted_decoding, _get_candidate_generator, generate_batch):
+    for wrapper in (_validate_generation_mode, _assisted_decoding, _get_candidate_generator, generate_batch,
+                    _extract_generation_mode_kwargs):
         wrapper._hf_eagle31 = True
         setattr(GenerationMixin, wrapper.__name__, wrapper)
