@@ -17,6 +17,7 @@ import torch
 
 DEMO = Path("examples/demo_pair")
 SMOLLM2 = Path("examples/smollm2")
+EMBEDDING = "model.embed_tokens.weight"  # an assistant saved without it takes the target's (`load_assistant`)
 CALIBRATION_PROMPTS = 10  # tuning is only as good as its acceptance sample
 PAIRS = {  # --pair: the models and prompts a run uses unless given one by one
     "smollm2": dict(target="smollm2-135m-instruct", eagle3=str(SMOLLM2 / "eagle3"), eagle31=str(SMOLLM2 / "eagle31"),
@@ -137,10 +138,36 @@ def load_models(args):
             drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, target.dtype).eval()
             prepare_drafter(target, drafter)
             drafters[name] = drafter
-    assistant = None
-    if args.assistant:
-        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.dtype).to(args.device).eval()
+    assistant = load_assistant(args.assistant, target) if args.assistant else None
     return target, tokenizer, drafters, assistant
+
+
+def load_assistant(path: str | Path, target):
+    """A small LM for transformers' assisted generation, in the target's dtype and on its device.
+
+    A checkpoint saved without its input embedding takes the target's, shared and tied to its head as the config
+    says: examples/smollm2/small_lm shares SmolLM2's vocabulary and embedding, which were 57 of its 71 MB.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    weights = Path(path) / "model.safetensors"
+    if not weights.is_file() or EMBEDDING in safe_open(weights, "pt").keys():  # sharded, or complete
+        return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+    config = AutoConfig.from_pretrained(path)
+    embedding = target.get_input_embeddings()
+    if tuple(embedding.weight.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"{path} takes its input embedding from the target, whose embedding is "
+                         f"{tuple(embedding.weight.shape)}, not ({config.vocab_size}, {config.hidden_size})")
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    model.set_input_embeddings(embedding)
+    missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+    if unexpected or set(missing) - {EMBEDDING, *(["lm_head.weight"] if config.tie_word_embeddings else [])}:
+        raise ValueError(f"{weights} does not fit its config (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.to(target.device).eval()
 
 
 def machine(device: str) -> str:
