@@ -499,9 +499,14 @@ def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
 
 
+# speculation settings a GenerationConfig does not have: in a call's generation config they were put there by hand
+NOT_GENERATE_SETTINGS = tuple(name for name in SPECULATION_DEFAULTS if name not in vars(GenerationConfig()))
+
+
 def refuse_call_settings(kwargs: dict) -> None:
-    """A speculation setting passed to `generate` would reach transformers as an unused model keyword: name where it
-    belongs instead (the drafter's generation config, which every call with that drafter reads)."""
+    """A speculation setting given to `generate` (a keyword, or an entry of its generation config) would be an unused
+    model keyword to transformers, or silently ignored: name where it belongs instead (the drafter's generation
+    config, which every call with that drafter reads)."""
     given = [name for name in SPECULATION_DEFAULTS if name in kwargs]
     if given:
         name = given[0]
@@ -532,6 +537,8 @@ def install() -> None:
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         drafter = generation_mode_kwargs.get("assistant_model")
         if isinstance(drafter, Eagle3DraftModel):
+            refuse_call_settings({name: getattr(generation_config, name) for name in NOT_GENERATE_SETTINGS
+                                  if name in vars(generation_config)})
             check_target(self)
             prepare_drafter(self, drafter)  # before transformers mistakes a mismatch for a tokenizer issue
         return validate(self, generation_mode, generation_config, generation_mode_kwargs)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from tiny_models import PROMPTS, VOCAB, make_drafter, make_target, make_tokenizer, trained_pair
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
@@ -192,6 +192,9 @@ def test_a_speculation_setting_given_to_generate_says_where_it_belongs():
     for name, value in [("tree_depth", 3), ("num_assistant_tokens", 2)]:
         with pytest.raises(ValueError, match=rf"set drafter.generation_config.{name} = {value}"):
             target.generate(PROMPTS[:1], max_new_tokens=5, assistant_model=drafter, **{name: value})
+    with pytest.raises(ValueError, match="set drafter.generation_config.verify_mode = 'exact'"):  # ignored before
+        target.generate(PROMPTS[:1], generation_config=GenerationConfig(max_new_tokens=5, verify_mode="exact"),
+                        assistant_model=drafter)
     drafter.generation_config.tree_depth = 3  # the documented way: every later call reads it
     drafter.generation_config.dynamic_speculation = False  # else the depth adapts from 3 up to max_speculation_depth
     expected = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=12)
