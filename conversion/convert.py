@@ -17,6 +17,7 @@ from hf_eagle31.conversion.layouts import LAYOUTS, save_in_layout
 from hf_eagle31.conversion.upgrade import add_upgrade_arguments, run_upgrade
 from hf_eagle31.folders import replace_folder
 from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.packaged import require_hub_id
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, layout: str = "hf_eagle31", allow_pickle: bool = False,
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
                                   args.local_verifier)
         print(f"wrote {path} ({args.layout} layout)")
         return 0
+    if args.layout == "speculators" and not args.local_verifier and (args.verifier or args.target):
+        require_hub_id(args.verifier or args.target, "the speculators verifier", "--local-verifier")  # before training
     with replace_folder(args.dst, args.overwrite) as scratch:
         drafter = Eagle3DraftModel.from_pretrained(args.src, allow_pickle=args.allow_pickle)
         upgraded = run_upgrade(args, drafter, scratch)  # saved in this project's layout

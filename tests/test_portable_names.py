@@ -88,6 +88,10 @@ def test_a_local_folder_where_a_hub_id_belongs_is_refused_unless_insisted_on(tmp
     assert cli_main(export) == 2
     assert "must be a Hub id" in capsys.readouterr().err and not (tmp_path / "out").exists()
     assert cli_main([*export, "--local-verifier"]) == 0
+    upgrade = ["convert", str(tmp_path / "drafter"), str(tmp_path / "up"), "--layout", "speculators", "--upgrade",
+               "--target", str(tmp_path / "target"), "--data", "unread.jsonl"]
+    assert cli_main(upgrade) == 2  # refused before the upgrade's distillation and training, not after them
+    assert "must be a Hub id" in capsys.readouterr().err and not (tmp_path / "up").exists()
     card = ["card", str(tmp_path / "drafter"), "--base-model", str(tmp_path / "target")]
     assert cli_main(card) == 2 and "--local-base-model" in capsys.readouterr().err
     assert cli_main([*card, "--local-base-model"]) == 0
