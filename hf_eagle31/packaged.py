@@ -185,5 +185,5 @@ def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: s
     return model, AutoTokenizer.from_pretrained(folder)
 
 
-__all__ = ["PACKAGED", "hub_id", "load_packaged_model", "missing_folder", "model_name", "packaged_model_path", "portable_name", "require_hub_id",
-           "resolve_model"]
+__all__ = ["PACKAGED", "cached_folder", "hub_id", "is_local_path", "load_packaged_model", "missing_folder", "model_name",
+           "packaged_model_path", "portable_name", "require_hub_id", "resolve_model"]
