@@ -442,15 +442,21 @@ def switches(config: Eagle3Config) -> dict[str, bool]:
 
 def verifier_entry(name: str) -> dict:
     """speculators' `verifier`: the target's name and, when its config is at hand, its architectures."""
+    from hf_eagle31.packaged import cached_folder
+
     try:
-        found = PreTrainedConfig.get_config_dict(name, local_files_only=True)[0].get("architectures") or []
+        found = PreTrainedConfig.get_config_dict(str(cached_folder(name) or name),
+                                                 local_files_only=True)[0].get("architectures") or []
     except (OSError, ValueError):
         found = []
     return {"name_or_path": name, "architectures": found}
 
 
-def speculators_config(model, config: Eagle3Config, verifier: str | None) -> dict:
-    """vLLM's native format: the verifier named (speculators' loader and `vllm serve` read the target from it)."""
+def speculators_config(model, config: Eagle3Config, verifier: str | None, local_verifier: bool = False) -> dict:
+    """vLLM's native format: the verifier named (speculators' loader and `vllm serve` read the target from it), by
+    its Hub id: a folder on this machine only with `local_verifier` (`--local-verifier`)."""
+    from hf_eagle31.packaged import portable_name, require_hub_id
+
     verifier = verifier or config.verifier_name_or_path
     if not verifier:
         raise ExportError(
@@ -458,6 +464,11 @@ def speculators_config(model, config: Eagle3Config, verifier: str | None) -> dic
             "and `vllm serve` load the target from it), and this drafter records none: pass verifier= "
             "(hf-eagle31 convert --verifier) with the target's Hub id or path"
         )
+    try:
+        verifier = portable_name(verifier) if local_verifier else require_hub_id(
+            verifier, "the speculators verifier", "local_verifier=True (hf-eagle31 convert --local-verifier)")
+    except ValueError as err:
+        raise ExportError(str(err)) from None
     tokens = getattr(model.generation_config, "num_assistant_tokens", None) or SPECULATORS_DEFAULT_TOKENS
     ids = config.target_layer_ids
     return {
@@ -494,12 +505,14 @@ def reference_config(config: Eagle3Config, layout: str) -> dict:
     return out
 
 
-def save_in_layout(model, folder: str | Path, layout: str, verifier: str | None = None) -> Path:
+def save_in_layout(model, folder: str | Path, layout: str, verifier: str | None = None,
+                   local_verifier: bool = False) -> Path:
     """Write `model` in `layout`, weights untouched, so its own project or vLLM / SGLang serves it as is.
 
     "eagle": the EAGLE reference (captured layers implied, so only the default ones); "specforge": the
     same keys with SpecForge's `eagle_config` and, for vLLM, the same layers as a top-level list;
-    "speculators": vLLM's native format, naming `verifier` (default: the target the drafter records);
+    "speculators": vLLM's native format, naming `verifier` (default: the target the drafter records) by its Hub
+    id (a local folder only with `local_verifier`);
     "hf_eagle31": `save_pretrained`. A head the layout's readers would run differently is refused
     (`ExportError`, naming a layout that carries it), never written with a flag they ignore.
     """
@@ -515,7 +528,7 @@ def save_in_layout(model, folder: str | Path, layout: str, verifier: str | None 
         raise ExportError(f"the {layout} layout cannot carry this head as it is: " + "; ".join(problems))
     state = without_trivial_maps(config, {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()})
     if layout == "speculators":
-        out = speculators_config(model, config, verifier)
+        out = speculators_config(model, config, verifier, local_verifier)
         state = {"layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: v for k, v in state.items()}
     else:
         out = reference_config(config, layout)

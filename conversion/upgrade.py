@@ -19,6 +19,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
+import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +32,8 @@ from transformers import PreTrainedModel
 from hf_eagle31.generation import prepare_drafter
 from hf_eagle31.model_cards.card import write_model_card
 from hf_eagle31.modeling import Eagle3DraftModel
-from hf_eagle31.training.data import SequenceDataset, TrainingSequence, collate
+from hf_eagle31.packaged import hub_id
+from hf_eagle31.training.data import SequenceDataset, TrainingSequence, collate, read_examples
 from hf_eagle31.training.evaluation import AcceptanceReport, evaluate_acceptance
 from hf_eagle31.training.teacher import target_states
 from hf_eagle31.training.trainer import TrainingConfig, train_drafter, training_sequences
@@ -73,6 +77,23 @@ def switch_on_eagle31(drafter: Eagle3DraftModel, norm_weights: torch.Tensor) -> 
     return upgraded.eval()
 
 
+def stage(text: str) -> None:
+    """Announce a long stage on stderr (the others show a progress bar): a CPU upgrade takes minutes."""
+    print(f"upgrade: {text}", file=sys.stderr, flush=True)
+
+
+def check_enough(count: int, held_out: int, tune_prompts: int, what: str) -> None:
+    """The upgrade keeps `held_out` sequences for the before/after acceptance and `tune_prompts` to tune the draft
+    shape on, and fine-tunes on the rest: checked on the prompts before any distillation, and on the sequences
+    after it (a conversation too long for max_length gives none)."""
+    if held_out < 1:
+        raise ValueError(f"--held-out must be at least 1 (the before/after acceptance is measured on it), got {held_out}")
+    if count <= held_out + tune_prompts:
+        raise ValueError(f"the upgrade needs more than held_out + tune_prompts = {held_out} + {tune_prompts} {what}, "
+                         f"got {count}: give more --data, or lower --held-out or --tune-prompts (0: keep the default "
+                         "draft shape)")
+
+
 def upgrade_drafter(
     drafter: Eagle3DraftModel,
     target: PreTrainedModel,
@@ -88,25 +109,37 @@ def upgrade_drafter(
 
     The last `held_out` sequences are kept out of calibration and fine-tuning; acceptance on them is
     reported for the original head, the upgraded head before its fine-tune, and after it, and goes
-    into the model card.
+    into the model card. The distilled answers and training checkpoints live in a scratch folder beside
+    `out_dir`, removed at the end: `out_dir` receives the drafter, its log, its card and the acceptance.
     """
     config = replace(config or TrainingConfig(steps=200), arch="eagle3.1", **settings)
     config.validate()
+    data = data if isinstance(data, (str, Path)) else list(data)
+    examples = read_examples(data)
+    check_enough(len(examples.conversations) + len(examples.sequences) + len(examples.texts), held_out,
+                 config.tune_prompts, "prompts")
     prepare_drafter(target, drafter)
     out_dir = Path(out_dir)
-    sequences = training_sequences(target, data, tokenizer, config, out_dir, Accelerator())
-    if len(sequences) <= held_out:
-        raise ValueError(f"the upgrade needs more than held_out={held_out} training sequences, got {len(sequences)}")
-    train, evaluation = sequences[:-held_out], sequences[-held_out:]
-    upgraded = switch_on_eagle31(drafter, fc_norm_weights(target, train[:64], drafter.config.target_layer_ids))
-    reports = {"EAGLE-3 (original)": evaluate_acceptance(drafter, target, evaluation, depth),
-               "EAGLE 3.1 (upgraded, before fine-tune)": evaluate_acceptance(upgraded, target, evaluation, depth)}
-    records = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in train]
-    tuned = train_drafter(target, records, out_dir, drafter=upgraded, config=config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}-work-", dir=out_dir.parent) as work:
+        sequences = training_sequences(target, data, tokenizer, config, Path(work), Accelerator())
+        check_enough(len(sequences), held_out, config.tune_prompts, "training sequences")
+        train, evaluation = sequences[:-held_out], sequences[-held_out:]
+        stage(f"calibrating the fc_norm weights on {min(len(train), 64)} sequences")
+        upgraded = switch_on_eagle31(drafter, fc_norm_weights(target, train[:64], drafter.config.target_layer_ids))
+        stage(f"measuring acceptance before the fine-tune on {held_out} held-out sequences")
+        reports = {"EAGLE-3 (original)": evaluate_acceptance(drafter, target, evaluation, depth),
+                   "EAGLE 3.1 (upgraded, before fine-tune)": evaluate_acceptance(upgraded, target, evaluation, depth)}
+        records = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in train]
+        tuned = train_drafter(target, records, work, drafter=upgraded, config=config)
+        for file in Path(work).iterdir():  # the drafter and its records, not the distilled chunks or checkpoints
+            if file.is_file():
+                shutil.copy2(file, out_dir)
+    stage("measuring acceptance after the fine-tune")
     reports["EAGLE 3.1 (upgraded, fine-tuned)"] = evaluate_acceptance(tuned, target, evaluation, depth)
     runs = [{"name": f"{name}, held-out teacher-forced", **report.as_dict()} for name, report in reports.items()]
     (out_dir / "upgrade_acceptance.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
-    write_model_card(out_dir, base_model=target.name_or_path or None, benchmark={"runs": runs})
+    write_model_card(out_dir, base_model=hub_id(target.name_or_path), benchmark={"runs": runs})
     return tuned, reports
 
 
@@ -120,6 +153,8 @@ def add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--upgrade-steps", type=int, default=200, help="fine-tuning optimizer steps (upgrade)")
     group.add_argument("--upgrade-lr", type=float, default=5e-5, help="fine-tuning learning rate (upgrade)")
     group.add_argument("--held-out", type=int, default=8, help="sequences kept for the before/after acceptance (upgrade)")
+    group.add_argument("--tune-prompts", type=int, default=TrainingConfig.tune_prompts, help="sequences kept to tune "
+                       "the draft shape on at the end (0: keep the default shape) (upgrade)")
 
 
 def run_upgrade(args: argparse.Namespace, drafter: Eagle3DraftModel, out_dir: str | Path) -> Eagle3DraftModel:
@@ -130,7 +165,7 @@ def run_upgrade(args: argparse.Namespace, drafter: Eagle3DraftModel, out_dir: st
         raise ValueError("--upgrade needs --target (the target model) and --data (prompts to calibrate and fine-tune on)")
     target, tokenizer = load_target(args.target)
     tuned, reports = upgrade_drafter(drafter, target, args.data, out_dir, tokenizer=tokenizer, held_out=args.held_out,
-                                     steps=args.upgrade_steps, lr=args.upgrade_lr)
+                                     steps=args.upgrade_steps, lr=args.upgrade_lr, tune_prompts=args.tune_prompts)
     for name, report in reports.items():
         print(f"{name:42s} acceptance per depth: {' '.join(f'{a:.3f}' for a in report.acceptance)}"
               f"   expected accepted length {report.expected_length:.3f}")

@@ -89,7 +89,8 @@ def main() -> None:
 
     print("3. export to the serving layouts and re-import")
     for layout in ("speculators", "specforge"):
-        folder = save_in_layout(drafter, out / layout, layout, verifier=args.target)
+        folder = save_in_layout(drafter, out / layout, layout, verifier=args.target,
+                                local_verifier=True)  # the demo target is a folder here, not on the Hub
         check_identical(f"{folder} ({layout})", Eagle3DraftModel.from_pretrained(folder), reference, target)
 
     print(f"4. upgrade to EAGLE 3.1: calibrate fc_norm, fine-tune {args.steps} steps")
@@ -104,7 +105,8 @@ def main() -> None:
     for name, report in reports.items():
         print(f"  {name:40s} per depth {' '.join(f'{a:.3f}' for a in report.acceptance)}   "
               f"expected accepted length {report.expected_length:.3f}")
-    exported = save_in_layout(upgraded, out / "eagle31_speculators", "speculators", verifier=args.target)
+    exported = save_in_layout(upgraded, out / "eagle31_speculators", "speculators", verifier=args.target,
+                              local_verifier=True)
     print(f"  wrote {out / 'eagle31'} and {exported}")
 
     upgraded = upgraded.to(target.dtype).eval()

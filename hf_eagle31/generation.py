@@ -8,7 +8,7 @@ Two modes, chosen by `drafter.generation_config.speculation_mode`:
     drafts an EAGLE-2 dynamic tree and verifies it in one target forward.
 
 transformers has no registry for third-party candidate generators, so importing hf_eagle31 wraps
-three `GenerationMixin` methods (`install`). Each wrapper acts only when `assistant_model` is an
+five `GenerationMixin` methods (`install`). Each wrapper acts only when `assistant_model` is an
 `Eagle3DraftModel` and otherwise calls the original with the same arguments.
 """
 
@@ -33,6 +33,7 @@ from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_
 from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
 from hf_eagle31.features import capture_request, select_features
+from hf_eagle31.kernels.tree_attention import require_triton
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packing import packed_weights
 from hf_eagle31.stats import SpeculationStats
@@ -73,8 +74,12 @@ def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
 
 
 def verify_mode(drafter: Eagle3DraftModel) -> str:
-    """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`)."""
-    return speculation_setting(drafter, "verify_mode")
+    """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`); "kernel" asks for the
+    Triton kernel, whose missing extra is named before any work."""
+    mode = speculation_setting(drafter, "verify_mode")
+    if mode == "kernel":
+        require_triton()
+    return mode
 
 
 def packs_weights(drafter: Eagle3DraftModel) -> bool:
@@ -537,18 +542,46 @@ def batched_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
 
 
+# speculation settings a GenerationConfig does not have: in a call's generation config they were put there by hand
+NOT_GENERATE_SETTINGS = tuple(name for name in SPECULATION_DEFAULTS if name not in vars(GenerationConfig()))
+
+
+def refuse_call_settings(kwargs: dict) -> None:
+    """A speculation setting given to `generate` (a keyword, or an entry of its generation config) would be an unused
+    model keyword to transformers, or silently ignored: name where it belongs instead (the drafter's generation
+    config, which every call with that drafter reads)."""
+    given = [name for name in SPECULATION_DEFAULTS if name in kwargs]
+    if given:
+        name = given[0]
+        raise ValueError(
+            f"{', '.join(given)}: speculation settings belong to the drafter, not to one generate() call; set "
+            f"drafter.generation_config.{name} = {kwargs[name]!r} (it stays for later calls), or load the drafter "
+            f"with Eagle3DraftModel.from_pretrained(path, {name}={kwargs[name]!r})")
+
+
+CONTINUOUS_BATCHING_REFUSAL = (
+    "EAGLE drafters are not supported by continuous batching (generate_batch) yet: its paged cache gives each request "
+    "one new token per step, and it would ignore the drafter and decode without it. Use "
+    "target.generate(input_ids, attention_mask=..., assistant_model=drafter), which also takes a padded batch")
+
+
 def install() -> None:
-    """Wrap the three GenerationMixin methods that decide how assisted generation runs (idempotent)."""
+    """Wrap the GenerationMixin methods that decide how assisted generation runs, and refuse a drafter in
+    `generate_batch`, which would silently decode without it (idempotent)."""
     if getattr(GenerationMixin._assisted_decoding, "_hf_eagle31", False):
         return
     validate = GenerationMixin._validate_generation_mode
     assisted = GenerationMixin._assisted_decoding
     candidates = GenerationMixin._get_candidate_generator
+    continuous = GenerationMixin.generate_batch
+    extract = GenerationMixin._extract_generation_mode_kwargs
 
     @functools.wraps(validate)
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         drafter = generation_mode_kwargs.get("assistant_model")
         if isinstance(drafter, Eagle3DraftModel):
+            refuse_call_settings({name: getattr(generation_config, name) for name in NOT_GENERATE_SETTINGS
+                                  if name in vars(generation_config)})
             check_target(self)
             prepare_drafter(self, drafter)  # before transformers mistakes a mismatch for a tokenizer issue
         return validate(self, generation_mode, generation_config, generation_mode_kwargs)
@@ -577,6 +610,19 @@ def install() -> None:
             return EagleCandidateGenerator(self, drafter, kwargs["generation_config"], kwargs.get("target_tokenizer"))
         return candidates(self, *args, **kwargs)
 
-    for wrapper in (_validate_generation_mode, _assisted_decoding, _get_candidate_generator):
+    @functools.wraps(extract)
+    def _extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
+        if isinstance(assistant_model, Eagle3DraftModel):
+            refuse_call_settings(kwargs)
+        return extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+
+    @functools.wraps(continuous)
+    def generate_batch(self, *args, **kwargs):
+        if isinstance(kwargs.get("assistant_model"), Eagle3DraftModel):
+            raise NotImplementedError(CONTINUOUS_BATCHING_REFUSAL)
+        return continuous(self, *args, **kwargs)
+
+    for wrapper in (_validate_generation_mode, _assisted_decoding, _get_candidate_generator, generate_batch,
+                    _extract_generation_mode_kwargs):
         wrapper._hf_eagle31 = True
         setattr(GenerationMixin, wrapper.__name__, wrapper)

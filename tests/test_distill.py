@@ -124,7 +124,8 @@ def test_distill_command(tmp_path, capsys):
 
 
 def test_a_missing_wheel_names_the_pip_command(monkeypatch, tmp_path):
-    monkeypatch.setitem(PACKAGED, "nothing", PackagedModel("no_such_module_here", "x.gguf", "pip install no-such"))
+    monkeypatch.setitem(PACKAGED, "nothing", PackagedModel("no_such_module_here", "x.gguf", "pip install no-such",
+                                                                "acme/nothing"))
     monkeypatch.setenv("HF_EAGLE31_CACHE", str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="pip install no-such"):
         load_packaged_model("nothing")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from tiny_models import PROMPTS, VOCAB, make_drafter, make_target, make_tokenizer, trained_pair
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
@@ -157,6 +157,50 @@ def test_what_eagle_cannot_do_is_refused_by_name(mode, kwargs, message):
     with pytest.raises(ValueError, match=message):
         target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=5, assistant_model=drafter, **kwargs)
     assert target.config._attn_implementation != "eagle_tree"
+
+
+def test_continuous_batching_refuses_a_drafter_it_would_ignore():
+    """transformers' generate_batch takes any keyword and would decode without the drafter, silently."""
+    target, drafter = trained_pair("llama", True)
+    with pytest.raises(NotImplementedError, match="EAGLE drafters are not supported by continuous batching"):
+        target.generate_batch([PROMPTS[0].tolist()], assistant_model=drafter, max_new_tokens=5)
+    with pytest.raises(NotImplementedError, match="assistant_model is not supported"):  # the paged cache, in generate
+        target.generate(PROMPTS[:1], max_new_tokens=5, assistant_model=drafter, cache_implementation="paged")
+
+
+def test_speculation_settings_in_from_pretrained_override_the_saved_ones(tmp_path):
+    """issue 29, point 6: transformers users pass settings to from_pretrained; this project's names were a TypeError."""
+    from hf_eagle31 import Eagle3DraftModel
+
+    target, drafter = trained_pair("llama", True, tree_top_k=4, tree_total_tokens=20)
+    drafter.save_pretrained(tmp_path)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path, tree_depth=3, speculation_mode="chain", verify_mode="exact")
+    settings = loaded.generation_config
+    assert (settings.tree_depth, settings.speculation_mode, settings.verify_mode) == (3, "chain", "exact")
+    assert (settings.tree_top_k, settings.tree_total_tokens) == (4, 20)  # the saved ones, untouched
+    for bad, message in [({"tree_depth": 0}, "tree_depth must be an integer from 1"),
+                         ({"speculation_mode": "fast"}, "speculation_mode must be one of"),
+                         ({"collapse_fallback": "no"}, "collapse_fallback must be True or False"),
+                         ({"depth": 7, "tree_depth": 3}, "not both")]:
+        with pytest.raises(ValueError, match=message):
+            Eagle3DraftModel.from_pretrained(tmp_path, **bad)
+
+
+def test_a_speculation_setting_given_to_generate_says_where_it_belongs():
+    """transformers would reject it as an unused model keyword (or, for num_assistant_tokens, ignore it)."""
+    target, drafter = trained_pair("llama", True)
+    for name, value in [("tree_depth", 3), ("num_assistant_tokens", 2)]:
+        with pytest.raises(ValueError, match=rf"set drafter.generation_config.{name} = {value}"):
+            target.generate(PROMPTS[:1], max_new_tokens=5, assistant_model=drafter, **{name: value})
+    with pytest.raises(ValueError, match="set drafter.generation_config.verify_mode = 'exact'"):  # ignored before
+        target.generate(PROMPTS[:1], generation_config=GenerationConfig(max_new_tokens=5, verify_mode="exact"),
+                        assistant_model=drafter)
+    drafter.generation_config.tree_depth = 3  # the documented way: every later call reads it
+    drafter.generation_config.dynamic_speculation = False  # else the depth adapts from 3 up to max_speculation_depth
+    expected = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=12)
+    assert torch.equal(target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=12, assistant_model=drafter),
+                       expected)
+    assert len(drafter.speculation_stats.as_dict()["acceptance_per_depth"]) == 3
 
 
 @pytest.mark.parametrize("setting, value", [("speculation_mode", "CHAIN"), ("speculation_mode", "banana"),

@@ -394,7 +394,7 @@ def test_cli_converts(tmp_path, plain, capsys):
     assert config["speculators_model_type"] == "eagle3"
     assert config["speculators_config"]["verifier"]["name_or_path"] == "example-org/target"
     assert cli(["convert", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
-    assert "neither a checkpoint folder nor a Hub repository id" in capsys.readouterr().err  # one line, no trace
+    assert f"no such folder: {tmp_path / 'missing'}" in capsys.readouterr().err  # one line, no trace
 
 
 def test_missing_files_get_named_errors(tmp_path, plain):
@@ -553,8 +553,10 @@ def verifier_of(folder):
 def test_speculators_export_names_the_verifier(tmp_path, target, plain):
     with pytest.raises(ExportError, match="must name the verifier"):  # nothing recorded, nothing given
         save_in_layout(plain, tmp_path / "none", "speculators")
-    target.save_pretrained(tmp_path / "target")  # a local target: its architectures are read too
-    save_in_layout(plain, tmp_path / "given", "speculators", str(tmp_path / "target"))
+    target.save_pretrained(tmp_path / "target")  # a local target: refused unless insisted on, its architectures read
+    with pytest.raises(ExportError, match="must be a Hub id.*local_verifier=True"):
+        save_in_layout(plain, tmp_path / "given", "speculators", str(tmp_path / "target"))
+    save_in_layout(plain, tmp_path / "given", "speculators", str(tmp_path / "target"), local_verifier=True)
     assert verifier_of(tmp_path / "given") == {"name_or_path": str(tmp_path / "target"),
                                                 "architectures": ["LlamaForCausalLM"]}
     config = speculators_config(plain, plain.config.target_layer_ids, norm_before_residual=False)

@@ -79,3 +79,26 @@ def test_bad_inputs(tmp_path, drafter_dir, capsys):
         write_model_card(drafter_dir, benchmark={"tau": 2.0})
     assert cli_main(["card", str(drafter_dir), "--bench", str(tmp_path / "missing.json")]) == 2
     assert "cannot read benchmark results" in capsys.readouterr().err
+
+
+def test_hub_metadata_and_the_two_line_snippet(drafter_dir):
+    """pipeline_tag and datasets make the card findable on the Hub; the snippet shows the one call that matters."""
+    write_model_card(drafter_dir, base_model="acme/tiny-llama", datasets=["acme/chats"])
+    card = ModelCard.load(drafter_dir / "README.md")
+    assert card.data.pipeline_tag == "text-generation" and card.data.datasets == ["acme/chats"]
+    assert ('drafter = AutoModel.from_pretrained("acme/tiny-llama-eagle3.1-drafter")\n'
+            "out = target.generate(**inputs, assistant_model=drafter)\n```") in card.text
+
+
+def test_shipped_cards_name_their_target_and_the_pipeline():
+    """Every shipped drafter card, the demo pair's too (whose target is built in the repository, named by its place)."""
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    expected = {"smollm2/eagle3": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "smollm2/eagle31": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3/eagle31": "google/gemma-3-270m",
+                "demo_pair/eagle3": "examples/demo_pair/target", "demo_pair/eagle31": "examples/demo_pair/target"}
+    for folder, base_model in expected.items():
+        card = ModelCard.load(examples / folder / "README.md")
+        assert card.data.base_model == base_model and card.data.pipeline_tag == "text-generation", folder
+        assert "assistant_model=drafter)\n```" in card.text, folder

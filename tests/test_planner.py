@@ -288,4 +288,4 @@ def test_cli_json_and_errors(tmp_path, capsys):
     assert cli_main(["plan", "--target", str(path), "--gpu", "gtx480"]) == 2
     assert "unknown GPU 'gtx480'" in capsys.readouterr().err
     assert cli_main(["plan", "--target", str(tmp_path / "missing")]) == 2
-    assert "cannot read a model config" in capsys.readouterr().err
+    assert f"no such folder: {tmp_path / 'missing'}" in capsys.readouterr().err

@@ -234,24 +234,24 @@ def tree_of(folder: Path) -> dict[str, bytes]:
     (["convert", "{drafter}", "{tmp}/file.txt"], "file.txt is a file: give a folder"),
     (["convert", "{drafter}", "{tmp}/full"], "full is not empty: choose a new folder, or pass --overwrite"),
     (["convert", "{drafter}", "{tmp}/new", "--layout", "vllm"], "argument --layout: invalid choice: 'vllm'"),
-    (["convert", "{tmp}/nothing", "{tmp}/new"], "neither a checkpoint folder nor a Hub repository id"),
+    (["convert", "{tmp}/nothing", "{tmp}/new"], "no such folder: .*/nothing$"),
     (["train", "--target", "{target}", "--data", "{tmp}/lists.jsonl", "--out", "{tmp}/new", "--steps", "1"],
      "training record 1 has no"),
     (["train", "--target", "{tmp}/nothing", "--data", "{tmp}/lists.jsonl", "--out", "{tmp}/new", "--steps", "1"],
-     "cannot load the target model .*nothing: there is no such folder, and it is neither a Hub repository id"),
+     "no such folder: .*/nothing$"),
     (["train", "--target", "{target}", "--data", "{tmp}/lists.jsonl", "--out", "{tmp}/new"],
      "one of the arguments --steps --epochs is required"),
     (["distill", "--target", "{target}", "--data", "{tmp}/no.jsonl", "--out", "{tmp}/new"], "no.jsonl does not exist"),
-    (["bench", "--target", "{tmp}/nothing", "--out", "{tmp}/new"],
-     "cannot load the target model .*nothing: there is no such folder"),
+    (["bench", "--target", "{tmp}/nothing", "--out", "{tmp}/new"], "no such folder: .*/nothing$"),
     (["plan", "--target", "{target}", "--gpu-mem", ""], "cannot read GPU memory ''"),
     (["plan", "--target", "{target}", "--gpu-mem", "0"], "GPU memory '0' is no memory at all"),
     (["plan", "--target", "{target}", "--context", "many"], "argument --context: invalid int value: 'many'"),
-    (["card", "{tmp}/nothing"], "nothing does not hold a drafter config"),
+    (["card", "{tmp}/nothing"], "no such folder: .*/nothing$"),
+    (["card", "{tmp}/full"], "full does not hold a drafter config"),
     (["upgrade"], "invalid choice: 'upgrade'"),
 ], ids=["convert-onto-file", "convert-into-full-folder", "convert-layout", "convert-missing", "train-json-lists",
         "train-missing-target", "train-no-budget", "distill-missing-data", "bench-missing-target", "plan-empty-memory",
-        "plan-zero-memory", "plan-context", "card-missing", "unknown-command"])
+        "plan-zero-memory", "plan-context", "card-missing", "card-not-a-drafter", "unknown-command"])
 def test_cli_bad_inputs_exit_2_with_one_line_and_write_nothing(models, tmp_path, capsys, argv, error):
     (tmp_path / "file.txt").write_text("notes\n")
     (tmp_path / "full").mkdir()

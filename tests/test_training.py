@@ -422,4 +422,4 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert json.loads((out / "training_args.json").read_text())["sequences"] == 4  # 6 conversations, 2 held out
     assert cli_main(["train", "--target", str(tmp_path / "missing"), "--data", str(prompts), "--out", str(out),
                      "--steps", "1"]) == 2
-    assert "cannot load the target model" in capsys.readouterr().err
+    assert f"no such folder: {tmp_path / 'missing'}" in capsys.readouterr().err

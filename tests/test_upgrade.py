@@ -97,3 +97,25 @@ def test_upgrade_after_fine_tune_raises_acceptance(target, sequences, tmp_path):
     assert "eagle3.1" in card.data.tags and "EAGLE-3 (original), held-out teacher-forced" in card.text
     runs = json.loads((tmp_path / "eagle31" / "upgrade_acceptance.json").read_text())["runs"]
     assert len(runs) == 3
+    assert not [p for p in (tmp_path / "eagle31").iterdir() if p.is_dir()]  # no checkpoints/ or distilled/ left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eagle3", "eagle31"]  # nor the scratch folder
+
+
+def test_too_few_prompts_are_refused_before_any_distillation(target, tmp_path, monkeypatch, capsys):
+    import hf_eagle31.training.trainer as trainer
+    from tiny_models import make_tokenizer
+
+    from hf_eagle31.cli import main as cli_main
+
+    target.save_pretrained(tmp_path / "target")
+    make_tokenizer().save_pretrained(tmp_path / "target")
+    make_drafter(target, eagle31=False).save_pretrained(tmp_path / "eagle3")
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"turns": [f"question {i}"]}) + "\n" for i in range(12)))
+    monkeypatch.setattr(trainer, "distill_to_folder", lambda *a, **k: pytest.fail("distilled before validating"))
+    argv = ["convert", str(tmp_path / "eagle3"), str(tmp_path / "out"), "--upgrade", "--target", str(tmp_path / "target"),
+            "--data", str(tmp_path / "chats.jsonl")]
+    assert cli_main(argv) == 2  # 12 prompts cannot spare 8 held out and 8 to tune on
+    err = capsys.readouterr().err
+    assert "held_out + tune_prompts = 8 + 8 prompts, got 12" in err and "--tune-prompts" in err
+    assert not (tmp_path / "out").exists()
+    assert cli_main([*argv, "--held-out", "0"]) == 2 and "--held-out must be at least 1" in capsys.readouterr().err

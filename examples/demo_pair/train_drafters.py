@@ -33,6 +33,7 @@ from hf_eagle31.tuning import tune_drafter
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path("examples/demo_pair")  # relative to REPO, where main() runs: shipped files name no machine's paths
+TARGET_NAME = str(HERE / "target")  # the cards' base_model: built here, named by its place in the repository
 sys.path.insert(0, str(REPO / HERE))
 from build_prompts import function_openings, paragraph_openings  # noqa: E402
 
@@ -73,7 +74,7 @@ def train(target, tokenizer, prompts: list[dict], work: Path, steps: int) -> Non
         for file in ("training_args.json", "train_log.csv"):
             if (work / name / file).exists():
                 (HERE / name / file).write_text((work / name / file).read_text())
-        write_model_card(HERE / name)
+        write_model_card(HERE / name, base_model=TARGET_NAME, local_base_model=True)
 
 
 def tune(target, tokenizer, prompts: list[dict]) -> None:
@@ -83,7 +84,7 @@ def tune(target, tokenizer, prompts: list[dict]) -> None:
         report = tune_drafter(target, drafter, calibration)
         drafter.to(torch.bfloat16).save_pretrained(HERE / name)  # bf16 on disk, as shipped
         (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=2, default=str))
-        write_model_card(HERE / name)
+        write_model_card(HERE / name, base_model=TARGET_NAME, local_base_model=True)
         print(f"{name}: chosen {report.choice}")
 
 

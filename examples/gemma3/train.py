@@ -77,7 +77,8 @@ def ship() -> int:
     if (WORK / "vocab.json").exists():
         (folder / "vocab.json").write_text((WORK / "vocab.json").read_text())
     shutil.copytree(WORK / "distilled", HERE / "distilled", dirs_exist_ok=True)
-    write_model_card(folder, base_model="google/gemma-3-270m", license="gemma")
+    write_model_card(folder, base_model="google/gemma-3-270m", license="gemma",
+                     datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"])
     return 0
 
 

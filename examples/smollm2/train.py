@@ -181,7 +181,9 @@ def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "step": step + 1}, out / "state.pt.tmp")
             (out / "state.pt.tmp").rename(out / "state.pt")
-    model.eval().to(torch.bfloat16).save_pretrained(HERE / "small_lm")
+    model.eval().to(torch.bfloat16)  # the embedding (and the head tied to it) is the target's: not shipped
+    layers = {k: v for k, v in model.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    model.save_pretrained(HERE / "small_lm", state_dict=layers)  # hf_eagle31.bench.command.load_assistant adds it
     tokenizer.save_pretrained(HERE / "small_lm")
 
 
@@ -213,7 +215,8 @@ def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
         (HERE / name / "training_args.json").write_text(json.dumps(arguments, indent=2) + "\n")
         (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
         bench = BENCH if BENCH.exists() else None  # the cards carry the drafters' measured rows once there are some
-        write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", benchmark=bench)
+        write_model_card(HERE / name, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", benchmark=bench,
+                         datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"])
         print(f"{name}: chosen {report.choice}")
 
 

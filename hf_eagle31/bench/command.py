@@ -19,6 +19,7 @@ from hf_eagle31.training.data import read_jsonl
 
 DEMO = Path("examples/demo_pair")
 SMOLLM2 = Path("examples/smollm2")
+EMBEDDING = "model.embed_tokens.weight"  # an assistant saved without it takes the target's (`load_assistant`)
 CALIBRATION_PROMPTS = 10  # tuning is only as good as its acceptance sample
 PAIRS = {  # --pair: the models and prompts a run uses unless given one by one
     "smollm2": dict(target="smollm2-135m-instruct", eagle3=str(SMOLLM2 / "eagle3"), eagle31=str(SMOLLM2 / "eagle31"),
@@ -48,14 +49,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--documents", help="--drift: long texts (JSONL, 'text' or 'turns') to cut context-length prompts from")
     add("--num-prompts", type=int, default=20, help="prompts measured per dataset, spread over the file; "
         f"{CALIBRATION_PROMPTS} others in all calibrate the tuning")
-    add("--max-new-tokens", type=int, default=128)
+    add("--max-new-tokens", type=int, default=128, help="tokens generated per prompt by every method")
     add("--temperature", type=float, default=0.0, help="0: greedy (outputs checked against the target's); "
         "> 0: sampling, the same seed per prompt for every method")
     add("--no-chat-template", action="store_true", help="tokenize prompts as plain text even if the tokenizer "
         "has a chat template")
     add("--verify-modes", action="store_true", help="also run EAGLE 3.1 tree with micro-batched and exact verify")
-    add("--prompt-lookup-tokens", type=int, default=10)
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--prompt-lookup-tokens", type=int, default=10, help="prompt lookup decoding's draft length")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the models run")
     add("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's dtype on CUDA), bfloat16, float16 "
         "or float32")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
@@ -72,7 +73,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--resume with a larger number goes on")
     add("--resume", action="store_true", help="reuse the parts and the tuning an interrupted run with the same "
         "settings saved in --out, and run only what is missing")
-    add("--out", default="runs/bench")
+    add("--out", default="runs/bench", help="folder for results.json, results.md and the plots")
 
 
 def resolve_pair(args: argparse.Namespace) -> None:
@@ -151,10 +152,36 @@ def load_models(args):
             drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, target.dtype).eval()
             prepare_drafter(target, drafter)
             drafters[name] = drafter
-    assistant = None
-    if args.assistant:
-        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.dtype).to(args.device).eval()
+    assistant = load_assistant(args.assistant, target) if args.assistant else None
     return target, tokenizer, drafters, assistant
+
+
+def load_assistant(path: str | Path, target):
+    """A small LM for transformers' assisted generation, in the target's dtype and on its device.
+
+    A checkpoint saved without its input embedding takes the target's, shared and tied to its head as the config
+    says: examples/smollm2/small_lm shares SmolLM2's vocabulary and embedding, which were 57 of its 71 MB.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    weights = Path(path) / "model.safetensors"
+    if not weights.is_file() or EMBEDDING in safe_open(weights, "pt").keys():  # sharded, or complete
+        return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+    config = AutoConfig.from_pretrained(path)
+    embedding = target.get_input_embeddings()
+    if tuple(embedding.weight.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"{path} takes its input embedding from the target, whose embedding is "
+                         f"{tuple(embedding.weight.shape)}, not ({config.vocab_size}, {config.hidden_size})")
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    model.set_input_embeddings(embedding)
+    missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+    if unexpected or set(missing) - {EMBEDDING, *(["lm_head.weight"] if config.tie_word_embeddings else [])}:
+        raise ValueError(f"{weights} does not fit its config (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.to(target.device).eval()
 
 
 def machine(device: str) -> str:

@@ -27,21 +27,23 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "them), 'text' or 'input_ids' records, or a folder written by `hf-eagle31 distill`")
     add("--out", required=True, help="output folder: the drafter, train_log.csv, checkpoints/, README.md")
     add("--drafter", help="continue training this drafter instead of starting a new one")
-    add("--arch", choices=sorted(ARCHITECTURES), default=defaults.arch)
+    add("--arch", choices=sorted(ARCHITECTURES), default=defaults.arch,
+        help="eagle3.1: both 3.1 norms (fc_norm, norm_output) on; eagle3: the original head")
     add("--draft-vocab-size", type=int, help="keep the N most frequent answer tokens (default: the full vocabulary)")
     add("--ttt-steps", type=int, default=defaults.ttt_steps, help=f"draft steps unrolled in training (1..{MAX_TTT_STEPS})")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--steps", type=int, help="optimizer steps of stage 1")
     budget.add_argument("--epochs", type=int, help="epochs of stage 1")
     add("--acceptance-steps", type=int, default=0, help="optimizer steps of stage 2 (maximise expected accepted length)")
-    add("--lr", type=float, default=defaults.lr)
+    add("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW, warmup then cosine decay)")
     add("--loss-decay", type=float, default=defaults.loss_decay, help="weight of unrolled step k: decay**k")
     add("--lk-eta", type=float, help="train with the LK-lambda loss (KL blended into total variation, eta 3 in its "
         "paper) instead of forward KL")
-    add("--batch-size", type=int, default=defaults.batch_size)
-    add("--grad-accum", type=int, default=defaults.grad_accum)
+    add("--batch-size", type=int, default=defaults.batch_size, help="sequences per micro-batch (per process)")
+    add("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per optimizer step")
     add("--max-length", type=int, default=defaults.max_length, help="tokens per training sequence (longer ones are cut)")
-    add("--answer-max-new-tokens", type=int, default=defaults.answer_max_new_tokens)
+    add("--answer-max-new-tokens", type=int, default=defaults.answer_max_new_tokens,
+        help="tokens per answer the target writes in self-distillation")
     add("--answer-temperature", type=float, default=defaults.answer_temperature, help="0: greedy answers")
     add("--answers", choices=ANSWERS, default=defaults.answers,
         help="target: the target writes every answer (self-distillation); given: the records' own answers")
@@ -50,26 +52,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--token-budget", type=int, help="stop self-distillation at this many answer tokens (resumable)")
     add("--tune-prompts", type=int, default=defaults.tune_prompts,
         help="sequences held out to tune the draft shape on at the end (0: keep the default shape)")
-    add("--mixed-precision", choices=["no", "bf16", "fp16"], default=defaults.mixed_precision)
+    add("--mixed-precision", choices=["no", "bf16", "fp16"], default=defaults.mixed_precision,
+        help="autocast of the drafter's training (accelerate's setting)")
     add("--save-every", type=int, default=defaults.save_every, help="checkpoint every N optimizer steps")
     add("--feature-cache", help="folder for an offline cache of target features (default: computed online)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    add("--seed", type=int, default=defaults.seed)
+    add("--seed", type=int, default=defaults.seed, help="seed of initialisation, shuffling and sampled answers")
 
 
 def load_target(name: str):
     """The target and its tokenizer (None if it has none), with a clear error for an unreadable folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_eagle31.packaged import resolve_model
+    from hf_eagle31.packaged import portable_name, resolve_model
 
-    name = resolve_model(name)
+    path = resolve_model(name)
     try:
-        target = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+        target = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load the target model {name}: {err}") from None
+        raise ValueError(f"cannot load the target model {path}: {err}") from None
+    target.name_or_path = portable_name(name)  # a packaged model by its Hub id, not this machine's cache folder
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         tokenizer = None
     return target, tokenizer

@@ -27,6 +27,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hf_eagle31.packaged import model_name
 from hf_eagle31.training.data import (
     Conversation,
     TrainingSequence,
@@ -220,7 +221,7 @@ def distill_to_folder(
     folder.mkdir(parents=True, exist_ok=True)
     manifest = {"settings": asdict(settings), "conversations": fingerprint(conversations, answers == "given"),
                 "chunk_size": chunk_size, "answers": answers,
-                "target": getattr(target, "name_or_path", "") or type(target).__name__}
+                "target": model_name(target)}
     saved = folder / MANIFEST
     if saved.exists():
         previous = {"answers": "target"} | json.loads(saved.read_text())  # older manifests: the target answered

@@ -14,6 +14,7 @@ import csv
 import json
 import math
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from transformers import PreTrainedModel
 from hf_eagle31.configuration import Eagle3Config
 from hf_eagle31.generation import prepare_drafter
 from hf_eagle31.modeling import Eagle3DraftModel
+from hf_eagle31.packaged import hub_id, model_name
 from hf_eagle31.training.data import (
     EpochShuffle,
     SequenceDataset,
@@ -425,7 +427,7 @@ def train_drafter(
         write_training_args(out_dir, target, data, config, sequences, total)
         from hf_eagle31.model_cards.card import write_model_card
 
-        write_model_card(out_dir, base_model=target.name_or_path or None)
+        write_model_card(out_dir, base_model=hub_id(target.name_or_path))
     return drafter
 
 
@@ -439,6 +441,7 @@ def tune_on(target: PreTrainedModel, drafter: Eagle3DraftModel, held_out: list[T
     prompts = [p for p in prompts if p.shape[1] > 0]
     if not prompts:
         return
+    tqdm.write(f"tuning the draft shape for this device on {len(prompts)} held-out prompts", file=sys.stderr)
     report = tune_drafter(target, drafter, prompts, min(max_new_tokens, 96))
     (out_dir / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
 
@@ -446,7 +449,7 @@ def tune_on(target: PreTrainedModel, drafter: Eagle3DraftModel, held_out: list[T
 def write_training_args(out_dir: Path, target: PreTrainedModel, data, config: TrainingConfig,
                         sequences: list[TrainingSequence], total_steps: int) -> None:
     record = {
-        "target": target.name_or_path or type(target).__name__,
+        "target": model_name(target),
         "data": str(data) if isinstance(data, (str, Path)) else f"{type(data).__name__} of records",
         "sequences": len(sequences),
         "answer_tokens": sum(sum(s.loss_mask) for s in sequences),
