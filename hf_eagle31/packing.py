@@ -1,7 +1,7 @@
 """The target's linear weights in oneDNN's packed layout while EAGLE decodes on a CPU.
 
 Why: a verify forward multiplies a few rows (the draft tokens) by every weight of the target. On
-a CPU torch sends an fp32 product of 2-16 rows to MKL's small-M GEMM, which costs 1.5-1.7 one-row
+a CPU torch sends an fp32 product of 2-16 rows to MKL's small-M GEMM, which costs 1.3-1.9 one-row
 steps although a step is bound by streaming the weights from memory. oneDNN's inner product over
 weights reordered once into its blocked layout (what inductor's freezing and serving engines use)
 streams them at the memory's rate, so verifying several tokens costs about one plain step.
@@ -65,33 +65,41 @@ def _shared(model: nn.Module) -> set[int]:
     return shared
 
 
+@torch.inference_mode(False)  # a `generate` under inference mode must leave ordinary weights behind
+@torch.no_grad()
 def pack_linears(model: nn.Module) -> list[nn.Linear]:
     """Swap every untied linear weight of `model` for its packed copy (a tied one is multiplied transposed);
-    returns the layers changed."""
+    returns the layers changed. A failure on the way gives back the weights swapped so far."""
     shared = _shared(model)
     swapped = []
-    for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.dtype not in PACKED_DTYPES:
-            continue
-        weight = module.weight
-        if weight.untyped_storage().data_ptr() in shared:
-            module.forward = types.MethodType(_transposed_forward, module)
-        else:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-            # the storage goes; a NaN of the same shape stands in, so a read that bypasses forward cannot pass unnoticed
-            weight.data = torch.full((), float("nan"), dtype=weight.dtype).expand(weight.shape)
-            module.forward = types.MethodType(_packed_forward, module)
-        swapped.append(module)
+    try:
+        for module in model.modules():
+            if type(module) is not nn.Linear or module.weight.dtype not in PACKED_DTYPES:
+                continue
+            swapped.append(module)  # first: whatever happens to it below, unpacking undoes
+            weight = module.weight
+            if weight.untyped_storage().data_ptr() in shared:
+                module.forward = types.MethodType(_transposed_forward, module)
+            else:
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+                # the storage goes; a NaN of the same shape stands in: a read that bypasses forward cannot pass unnoticed
+                weight.data = torch.full((), float("nan"), dtype=weight.dtype).expand(weight.shape)
+                module.forward = types.MethodType(_packed_forward, module)
+    except BaseException:
+        unpack_linears(swapped)
+        raise
     return swapped
 
 
+@torch.inference_mode(False)
+@torch.no_grad()
 def unpack_linears(swapped: list[nn.Linear]) -> None:
     """Give each layer its own weight back, reordered from the packed copy (the same values bit for bit)."""
     for module in swapped:
         if hasattr(module, "packed_weight"):
             module.weight.data = module.packed_weight.to_dense()
             del module.packed_weight
-        del module.forward
+        vars(module).pop("forward", None)
 
 
 _PACKED: dict[int, tuple[int, list[nn.Linear]]] = {}  # id(model) -> (calls in flight, layers swapped)

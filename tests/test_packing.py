@@ -84,3 +84,30 @@ def test_models_that_cannot_be_packed_are_left_alone():
     target = make_target(seed=5, dtype=torch.float16)
     with packed_weights(target):
         assert not any(hasattr(m, "packed_weight") for m in target.modules())
+
+
+def test_a_call_under_inference_mode_leaves_ordinary_weights_the_target_can_train_on():
+    target, drafter = trained_pair("llama", eagle31=True)
+    with torch.inference_mode():
+        target.generate(PROMPTS[:1], assistant_model=drafter, do_sample=False, max_new_tokens=8)
+    assert not any(p.is_inference() for p in [*target.parameters(), *drafter.parameters()])
+    target(PROMPTS[:1]).logits.sum().backward()  # raised "Inference tensors cannot be saved for backward"
+
+
+def test_a_failure_while_packing_gives_every_weight_back(monkeypatch):
+    target = make_target(seed=6)
+    before = snapshot(target)
+    calls, reorder = [], torch.ops.mkldnn._reorder_linear_weight
+
+    def failing(weight, hint):  # the sixth weight fails, after five were packed
+        if len(calls) == 5:
+            raise RuntimeError("oneDNN failed")
+        calls.append(weight)
+        return reorder(weight, hint)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", failing, raising=False)
+    with pytest.raises(RuntimeError, match="oneDNN failed"):
+        pack_linears(target)
+    assert len(calls) == 5
+    assert all(torch.equal(before[name], t) for name, t in snapshot(target).items())
+    assert not any("forward" in vars(m) or hasattr(m, "packed_weight") for m in target.modules())
