@@ -6,6 +6,7 @@
     python examples/gemma3/train.py vocab       # drafter size and step time with the reduced and the full vocabulary
     python examples/gemma3/train.py ship        # bf16 drafter, logs and card into examples/gemma3/eagle31
     python examples/gemma3/train.py evaluate --drafter examples/gemma3/eagle31   # tau on held-out ShareGPT turns
+    python examples/gemma3/train.py tune        # re-tune the shipped drafter's shapes on this machine, in place
 
 google/gemma-3-270m is a base model without a chat template: it continues each conversation's
 first user turn as text, and the drafter learns those continuations. Its 262,144-token vocabulary
@@ -86,38 +87,61 @@ def evaluate(drafter_dir: Path, prompts: int, max_new_tokens: int) -> int:
     """Greedy decoding of held-out first turns: tau per mode, and every output checked against plain generate."""
     from hf_eagle31.modeling import Eagle3DraftModel
     from hf_eagle31.packaged import load_packaged_model
-    from hf_eagle31.training.data import encode_prompt
 
     target, tokenizer = load_packaged_model("gemma-3-270m")
     drafter = Eagle3DraftModel.from_pretrained(drafter_dir).float().eval()
-    turns = [json.loads(line)["turns"][0] for line in HELD_OUT.read_text().splitlines()[:prompts]]
     report = {}
     for shape in ({"speculation_mode": "chain", "num_assistant_tokens": 4},
                   {"speculation_mode": "tree", "tree_top_k": 8, "tree_depth": 4, "tree_total_tokens": 24}):
         drafter.generation_config.update(**shape, dynamic_speculation=False, collapse_fallback=False)
         tokens = forwards = 0
-        for turn in turns:
-            ids = torch.tensor([encode_prompt(tokenizer, turn)])
+        for ids in held_out_prompts(tokenizer, 0, prompts):
             kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
             out = target.generate(ids, assistant_model=drafter, **kwargs)
             if not torch.equal(out, target.generate(ids, **kwargs)):
-                raise AssertionError(f"EAGLE output differs from plain greedy on {turn[:60]!r}")
+                raise AssertionError(f"EAGLE output differs from plain greedy on {tokenizer.decode(ids[0])[:60]!r}")
             stats = drafter.speculation_stats
             tokens += stats.speculative_tokens
             forwards += stats.speculative_forwards
-        report[shape["speculation_mode"]] = {**shape, "tau": tokens / forwards, "prompts": len(turns)}
+        report[shape["speculation_mode"]] = {**shape, "tau": tokens / forwards, "prompts": prompts}
         print(shape["speculation_mode"], f"tau {tokens / forwards:.2f}", flush=True)
     (drafter_dir / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
+def held_out_prompts(tokenizer, start: int, count: int) -> list[torch.Tensor]:
+    """Held-out first turns as Gemma reads them (no chat template): `evaluate` takes the first ones."""
+    from hf_eagle31.training.data import encode_prompt
+
+    turns = [json.loads(line)["turns"][0] for line in HELD_OUT.read_text().splitlines()[start : start + count]]
+    return [torch.tensor([encode_prompt(tokenizer, turn)]) for turn in turns]
+
+
+def tune(prompts: int) -> int:
+    """Tune the shipped drafter's shapes here, on held-out turns `evaluate` does not use; a quiet machine's job."""
+    from hf_eagle31.generation import prepare_drafter
+    from hf_eagle31.modeling import Eagle3DraftModel
+    from hf_eagle31.packaged import load_packaged_model
+    from hf_eagle31.tuning import tune_drafter
+
+    target, tokenizer = load_packaged_model("gemma-3-270m")
+    folder = HERE / "eagle31"
+    drafter = Eagle3DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    prepare_drafter(target, drafter)
+    report = tune_drafter(target, drafter, held_out_prompts(tokenizer, prompts, prompts))
+    drafter.generation_config.save_pretrained(folder)
+    (folder / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
+    print(f"chosen {report.choice}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=("train", "vocab", "ship", "evaluate"))
+    parser.add_argument("stage", choices=("train", "vocab", "ship", "evaluate", "tune"))
     parser.add_argument("--drafter", type=Path, default=WORK / "eagle31", help="evaluate: the drafter folder")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="vocab: optimizer steps per vocabulary")
-    parser.add_argument("--prompts", type=int, default=10, help="evaluate: held-out turns")
+    parser.add_argument("--prompts", type=int, default=10, help="evaluate, tune: held-out turns (tune takes the next ones)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
     if args.stage == "train":
@@ -126,6 +150,8 @@ def main() -> int:
         return vocab(args.steps)
     if args.stage == "ship":
         return ship()
+    if args.stage == "tune":
+        return tune(args.prompts)
     return evaluate(args.drafter, args.prompts, args.max_new_tokens)
 
 
