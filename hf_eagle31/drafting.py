@@ -1,4 +1,4 @@
-"""Proposing draft tokens with an EAGLE drafter: a chain, or an EAGLE-2 dynamic tree.
+"""Proposing draft tokens with an EAGLE drafter: an EAGLE-2 dynamic tree (a chain is a tree of top-k 1).
 
 The drafter lags the target by one token: its cache entry `t` pairs the target's feature at `t`
 with token `t + 1`. Only entries built from real target features are kept between steps; the
@@ -8,24 +8,30 @@ the target has accepted since.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import StaticLayer
 
 from hf_eagle31.modeling import Eagle3DraftModel
 
 
-def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Drop cache entries past `length` (negative `crop` works on every transformers 5.x).
+def truncate_cache(cache: Cache, length: int) -> None:
+    """Drop cache entries past `length`: a static layer rolls its length back (the next block overwrites the
+    entries past it, nothing is reallocated), a dynamic one crops (negative `crop` works on every transformers 5.x).
 
     Cropping nothing still shrinks a sliding-window layer that recorded a verify block back to its
     window (transformers' `crop(0)`), so a run of fully accepted steps does not grow it.
     """
-    surplus = cache.get_seq_length() - length
-    if surplus >= 0:
-        cache.crop(-surplus)
+    surplus = int(cache.get_seq_length()) - length
+    if surplus < 0:
+        return
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer):
+            layer.cumulative_length.fill_(length)
+        else:
+            layer.crop(-surplus)
 
 
 class DrafterState:
@@ -34,7 +40,7 @@ class DrafterState:
     Rows accept different numbers of tokens per step. `catch_up` feeds each row's queued features
     as one block as long as the longest queue: a shorter row's surplus entries are holes that
     `key_mask` hides from every later query, and `positions` counts each row's real entries, so a
-    row drafts exactly as it would alone (batched.py keeps the target's cache the same way).
+    row drafts exactly as it would alone (decoding.py keeps the target's cache the same way).
     """
 
     def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1):
@@ -97,28 +103,6 @@ class DrafterState:
         return out.hidden_states[last][:, None], out.logits[:, None]
 
 
-@torch.no_grad()
-def draft_chain(
-    state: DrafterState, steps: int, choose: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft `steps` tokens one after another in every row.
-
-    `choose` maps draft-vocabulary logits `[B, V_d]` to target token ids `[B, 1]`.
-    Returns the target ids `[B, steps]` and the draft logits each was chosen from `[B, steps, V_d]`.
-    """
-    hidden, logits = state.catch_up()
-    tokens, all_logits = [], []
-    for step in range(steps):
-        token = choose(logits[:, -1])
-        tokens.append(token)
-        all_logits.append(logits)
-        if step + 1 < steps:
-            seen = torch.ones(1, step + 1, dtype=torch.bool, device=token.device)  # every draft token so far
-            out = state.drafter(token, hidden, state.positions[:, None] + step, state.cache, state.visible(seen))
-            hidden, logits = out.hidden_states, out.logits
-    return torch.cat(tokens, dim=1), torch.cat(all_logits, dim=1)
-
-
 @dataclass
 class DraftTree:
     """A draft tree in level order: node 0 is the root (the last accepted token), parents precede children."""
@@ -143,12 +127,6 @@ class DraftTree:
             if parent >= 0:
                 mask[node] |= mask[parent]
         return mask.to(self.tokens.device)
-
-    @classmethod
-    def chain(cls, root_token: torch.Tensor, drafts: torch.Tensor) -> "DraftTree":
-        """The root followed by `drafts` `[d]`, each the child of the one before (ranks: the position along it)."""
-        steps = torch.arange(drafts.shape[0] + 1, device=root_token.device)
-        return cls(torch.cat([root_token.reshape(1), drafts]), steps - 1, steps, steps - 1)
 
     @classmethod
     def root_only(cls, root_token: torch.Tensor) -> "DraftTree":

@@ -5,7 +5,10 @@ Verifying n tokens costs t(n); on a GPU t(n) / t(1) stays near 1 up to dozens of
 as much as on the drafter. This module measures t(n) / t(1) for the target, the drafter's cost
 per draft tree, and the acceptance the drafter actually achieves, then predicts
 
-    speedup(draft shape) = tau(shape) * t(1) / (t_verify(shape) + t_draft(shape))
+    speedup(draft shape) = tau(shape) * t_plain / (t_verify(shape) + t_draft(shape))
+
+where t_plain is one step of plain decoding, on the target's own weights (verification may run on
+packed ones, packing.py, which make even a one-token forward cheaper than plain decoding's).
 
 for every candidate shape and picks the best. Candidates come in families of one `top_k` (1 is
 a chain). One calibration run per family with its largest shape is enough: a tree's nodes carry
@@ -23,12 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from hf_eagle31.batched import verify_rows
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.generation import eagle_verification, packs_weights, verify_mode
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packing import packed_weights
-from hf_eagle31.verification import verify_block
+from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
 
@@ -82,10 +84,10 @@ def verify_cost_curve(
         target(prompt, past_key_values=cache)
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
-            mask = tree.ancestor_mask()
+            plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
 
             def forward():
-                verify_block(target, cache, tree.tokens, context + tree.depths, mask, target_layer_ids, mode)
+                verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None], target_layer_ids)
                 cache.crop(-n)
 
             forward()  # warm-up
@@ -131,28 +133,31 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     the extra tokens of a draft cost more than they do for one row.
     """
     device, vocab = target.device, target.config.get_text_config().vocab_size
-    verify, draft = {}, {}
+    verify, draft, plain = {}, {}, {}
     pack = packs_weights(drafter)
-    with eagle_verification(target), packed_weights(target, pack), packed_weights(drafter, pack):
+
+    def block_cost(cache: DynamicCache, batch: int, n: int) -> float:
+        tokens = torch.randint(3, vocab, (batch, n), device=device)
+        positions = (context + torch.arange(n, device=device)).expand(batch, n)
+        plan = VerifyPlan.for_cache(torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch, n, n), cache)
+
+        def forward():
+            verify_forward(target, cache, plan, tokens, positions, drafter.config.target_layer_ids)
+            cache.crop(-n)
+
+        forward()  # warm-up
+        return _best_of(forward, repeats)
+
+    with eagle_verification(target):
         for batch in batch_sizes:
             cache = DynamicCache(config=target.config)
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
-            verify[batch] = {}
-            for n in BATCH_BLOCK_SIZES:
-                tokens = torch.randint(3, vocab, (batch, n), device=device)
-                positions = (context + torch.arange(n, device=device)).expand(batch, n)
-                mask = torch.ones(n, context + n, dtype=torch.bool, device=device).tril(context)
-                mask = mask.expand(batch, 1, n, context + n)
-
-                def forward():
-                    verify_rows(target, cache, tokens, positions, mask, drafter.config.target_layer_ids)
-                    cache.crop(-n)
-
-                forward()  # warm-up
-                verify[batch][n] = _best_of(forward, repeats)
-            draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch) for d in range(1, max_depth + 1)}
-                            for k in top_ks}
-    return {"verify_seconds": verify, "draft_seconds": draft}
+            plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
+            with packed_weights(target, pack), packed_weights(drafter, pack):
+                verify[batch] = {n: block_cost(cache, batch, n) for n in BATCH_BLOCK_SIZES}
+                draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
+                                    for d in range(1, max_depth + 1)} for k in top_ks}
+    return {"verify_seconds": verify, "draft_seconds": draft, "plain_seconds": plain}
 
 
 def projected_tau(accepted_ranks: list[list[int]], total_tokens: int, depth: int) -> float:
@@ -198,6 +203,7 @@ def calibrate(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[
 class TuningReport:
     verify_curve: dict[int, float]  # n -> seconds
     draft_seconds: dict[int, dict[int, float]]  # top_k -> depth -> seconds per tree
+    plain_seconds: float  # one plain decoding step: the unit of every predicted speedup
     candidates: list[dict] = field(default_factory=list)  # shape, tau, predicted speedup
     calibration_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # top_k -> ranks
     batch_costs: dict = field(default_factory=dict)  # see `batch_costs`
@@ -216,6 +222,7 @@ class TuningReport:
             "verify_cost_ratio": {n: t / self.verify_curve[1] for n, t in self.verify_curve.items()},
             "verify_seconds": self.verify_curve,
             "draft_seconds": self.draft_seconds,
+            "plain_seconds": self.plain_seconds,
             "candidates": self.candidates,
             "choice": self.choice,
             "best_chain": self.best(chain=True),
@@ -241,16 +248,19 @@ def choose_tree_shape(
     sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
     mode = verify_mode(drafter)
     pack = packs_weights(drafter)
-    curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, mode=mode, pack=pack)
+    layer_ids = drafter.config.target_layer_ids
+    curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack)
+    plain = verify_cost_curve(target, [1], layer_ids, context=context)[1] if pack else curve[1]
     with packed_weights(drafter, pack):
         drafts = {k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
                   for k in ranks_by_top_k}
-    return TuningReport(curve, drafts, rank_candidates(curve, drafts, ranks_by_top_k), ranks_by_top_k)
+    return TuningReport(curve, drafts, plain, rank_candidates(curve, drafts, ranks_by_top_k, plain), ranks_by_top_k)
 
 
 def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, dict[int, float]],
-                    ranks_by_top_k: dict[int, list[list[int]]]) -> list[dict]:
-    """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per tree."""
+                    ranks_by_top_k: dict[int, list[list[int]]], plain_seconds: float) -> list[dict]:
+    """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per tree,
+    against `plain_seconds` per plain decoding step."""
     candidates = []
     for top_k, ranks in ranks_by_top_k.items():
         for depth, draft in draft_seconds[top_k].items():
@@ -260,7 +270,7 @@ def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, d
                     continue
                 tau = projected_tau(ranks, nodes, depth)
                 candidates.append({"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": nodes, "tau": tau,
-                                   "speedup": tau * verify_seconds[1] / (verify + draft)})
+                                   "speedup": tau * plain_seconds / (verify + draft)})
     return candidates
 
 
@@ -276,13 +286,14 @@ def batch_shapes(report: dict) -> dict[str, dict]:
     costs = report["batch_costs"]
     for batch, verify in costs["verify_seconds"].items():  # keys are strings once a report went through JSON
         verify = {int(n): t for n, t in verify.items()}
+        plain = costs.get("plain_seconds", {}).get(batch, verify[1])  # reports before plain steps were timed
         drafts = {(int(k), int(d)): t for k, depths in costs["draft_seconds"][batch].items() for d, t in depths.items()}
         best = None
         for c in report["candidates"]:
             width, depth, n = c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"] + 1
             if n not in verify or (width, depth) not in drafts:
                 continue
-            speedup = c["tau"] * verify[1] / (verify[n] + drafts[width, depth])
+            speedup = c["tau"] * plain / (verify[n] + drafts[width, depth])
             if best is None or speedup > best["speedup"]:
                 best = {"tree_top_k": width, "tree_depth": depth, "tree_total_tokens": n - 1, "speedup": speedup}
         shapes[str(batch)] = best

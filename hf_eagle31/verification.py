@@ -20,6 +20,7 @@ scaling) is left to the target's own attention function, which computes every ve
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import threading
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, Cache, PreTrainedModel
+from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -58,23 +60,23 @@ def pick_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return scores.argmax(dim=-1, keepdim=True)
 
 
-@functools.lru_cache(maxsize=64)
-def _causal_mask(n: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()  # read only: shared by every call
-
-
 @dataclass
 class VerifyPlan:
-    """How one verify forward computes the block's attention: its `[n, n]` ancestor mask, the mode, the cache.
+    """How one verify forward computes attention: each row's `[n, n]` ancestor mask, the mode, the cache.
 
-    Keys before the block are visible to every block token (within its layer's window), except
-    the padding: `key_padding` (bool, False for a pad) has one entry per token cached before the
-    block. `held` maps a layer index to how many keys before the new one its cache layer keeps
-    (`window - 1` for transformers' `DynamicSlidingWindowLayer`); other layers keep them all.
+    Keys before the block are visible to every block token of their row (within its layer's
+    window), except where `key_padding` (`[B, cached]` bool, None when all visible) is False: a
+    prompt's pad, or a hole a batch left where a row accepted fewer tokens than another (decoding.py).
+    `holes` (`[B, cached]`, None when there are none) tells the holes apart from the pads: a
+    one-token decode step has the pads among its keys (masked) but never the holes. `held` maps a
+    layer index to how many keys before the new one its cache layer keeps (`window - 1` for
+    transformers' `DynamicSlidingWindowLayer`); other layers keep them all. `padded` says whether the
+    prompts had pads (plain decoding then masks its one-token steps) and `batch_size` is the batch
+    plain `generate` decodes, finished rows included: "exact" mode computes as that decoding would.
     The modes (`verify_mode` in the drafter's generation config):
       * "batched": one attention call over the block with the tree mask, like every serving engine;
-      * "kernel": the Triton tree-attention kernel (CUDA, SDPA targets, unpadded, layers without a
-        window; "batched" otherwise);
+      * "kernel": the Triton tree-attention kernel (CUDA, SDPA targets, one unpadded row, layers
+        without a window; "batched" otherwise);
       * "exact": every block token computed the way a one-token decode step computes it, so the
         logits are bit-identical to plain decoding on any device (see `decode_equivalent_attention`
         and `RowByRowLinear`).
@@ -84,7 +86,11 @@ class VerifyPlan:
     mask: torch.Tensor
     mode: str = "batched"
     key_padding: torch.Tensor | None = None
+    holes: torch.Tensor | None = None
     held: dict[int, int] = field(default_factory=dict)
+    padded: bool = False
+    batch_size: int = 1
+    cached: int | None = None  # tokens cached before the block (None: all the keys before it)
     _layer_masks: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -92,60 +98,70 @@ class VerifyPlan:
             raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {self.mode!r}")
 
     @classmethod
-    def for_cache(cls, mask: torch.Tensor, cache: Cache, mode: str = "batched",
-                  prompt_padding: torch.Tensor | None = None) -> "VerifyPlan":
-        """The plan for verifying a block after everything `cache` holds; `prompt_padding` is the prompt's mask."""
-        key_padding = None
-        if prompt_padding is not None:
-            key_padding = prompt_padding.new_ones(cache.get_seq_length())
-            key_padding[: prompt_padding.shape[0]] = prompt_padding
+    def for_cache(cls, mask: torch.Tensor, cache: Cache, mode: str = "batched", key_mask: torch.Tensor | None = None,
+                  prompt_length: int = 0, batch_size: int = 1) -> "VerifyPlan":
+        """The plan for verifying a block `mask` `[B, n, n]` after everything `cache` holds. `key_mask` `[B, cached]`
+        marks the cached keys each row sees (None: all); the unseen ones among the first `prompt_length` are pads,
+        the others holes."""
+        if key_mask is None or bool(key_mask.all()):
+            key_padding = holes = None
+        else:
+            key_padding, holes = key_mask, ~key_mask
+            holes[:, :prompt_length] = False
+            holes = holes if bool(holes.any()) else None
+        padded = key_padding is not None and not bool(key_mask[:, :prompt_length].all())
         held = {index: layer.sliding_window - 1 for index, layer in enumerate(cache.layers)
                 if getattr(layer, "is_sliding", False)}
-        return cls(mask, mode, key_padding, held)
-
-    @classmethod
-    def causal(cls, n: int, device: torch.device, cache: Cache, mode: str = "batched",
-               prompt_padding: torch.Tensor | None = None) -> "VerifyPlan":
-        """The plan for verifying a chain of `n` tokens (the last accepted one and the drafts)."""
-        return cls.for_cache(_causal_mask(n, device), cache, mode, prompt_padding)
+        return cls(mask, mode, key_padding, holes, held, padded, batch_size, int(cache.get_seq_length()))
 
     @functools.cached_property
     def depths(self) -> torch.Tensor:
-        """`[n]`: each block token's depth below the block's first token (its ancestors, itself excluded)."""
-        return self.mask.sum(dim=1) - 1
+        """`[B, n]`: each block token's depth below its row's first block token (its ancestors, itself excluded)."""
+        return self.mask.sum(dim=-1) - 1
+
+    def past(self, key_length: int) -> int:
+        """How many of a layer's `key_length` keys come before the block: the latest it holds (a sliding-window layer
+        holds fewer than `cached`); a static layer returns every slot, those after the block unwritten."""
+        past = key_length - self.mask.shape[1]
+        return past if self.cached is None else min(past, self.cached)
 
     def layer_mask(self, key_length: int, window: int | None = None) -> torch.Tensor:
-        """`[n, key_length]` bool: the keys each block token sees in a layer that returns `key_length` keys.
+        """`[B, n, key_length]` bool: the keys each block token sees in a layer that returns `key_length` keys.
 
-        The block's keys come last; the `key_length - n` before them are the latest the layer holds.
-        A layer with a window hides from a token at depth `d` every key `window` or more places before it.
+        The block's keys follow the `past` latest keys the layer holds; a static layer's unwritten slots
+        after the block are hidden. A layer with a window hides from a token at depth `d` every key
+        `window` or more places before it.
         """
         if (key_length, window) not in self._layer_masks:
-            n = self.mask.shape[0]
-            past = key_length - n
-            seen = self.mask.new_ones(n, past)
+            batch, n = self.mask.shape[:2]
+            past = self.past(key_length)
+            seen = self.mask.new_ones(batch, n, past)
             if self.key_padding is not None:
-                seen = seen & self.key_padding[self.key_padding.shape[0] - past :]
+                seen = seen & self.key_padding[:, None, self.key_padding.shape[1] - past :]
             block = self.mask
             if window is not None:
                 depths = self.depths
-                seen = seen & (torch.arange(past, device=depths.device) > (past + depths - window)[:, None])
-                block = block & (depths[:, None] - depths[None, :] < window)
-            self._layer_masks[key_length, window] = torch.cat([seen, block], dim=1)
+                seen = seen & (torch.arange(past, device=depths.device) > (past + depths - window)[..., None])
+                block = block & (depths[..., :, None] - depths[..., None, :] < window)
+            unwritten = self.mask.new_zeros(batch, n, key_length - past - n)
+            self._layer_masks[key_length, window] = torch.cat([seen, block, unwritten], dim=2)
         return self._layer_masks[key_length, window]
 
-    def held_keys(self, node: int, past: int, layer: int | None) -> torch.Tensor:
-        """The keys (indices into the layer's `past + n`) a one-token decode step at `node` attends over.
+    def held_keys(self, row: int, node: int, past: int, layer: int | None) -> torch.Tensor:
+        """The keys (indices into the layer's `past + n`) a one-token decode step at `node` of `row` attends over.
 
-        That step's cache layer holds every key before it, or only the last `held[layer]` of them.
+        That step's cache layer holds every key before it but the holes, or only the last `held[layer]` of them.
         """
-        ancestors = self.mask[node].nonzero().flatten()
+        ancestors = self.mask[row, node].nonzero().flatten()
         first = 0
         if layer in self.held:
-            capacity, depths = self.held[layer], self.depths
+            capacity, depths = self.held[layer], self.depths[row]
             first = min(past, max(0, past + int(depths[node]) - capacity))  # a deep node may hold no cached key
             ancestors = ancestors[depths[node] - depths[ancestors] <= capacity]
-        return torch.cat([torch.arange(first, past, device=ancestors.device), past + ancestors])
+        cached = torch.arange(first, past, device=ancestors.device)
+        if self.holes is not None:
+            cached = cached[~self.holes[row, self.holes.shape[1] - past + first :].to(cached.device)]
+        return torch.cat([cached, past + ancestors])
 
 
 def own_attention(module: torch.nn.Module, eager: bool) -> Callable:
@@ -171,14 +187,15 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     if plan.mode == "exact":
         return decode_equivalent_attention(module, query, key, value, plan, window, scaling, dropout, attention,
                                            **kwargs)
-    mask = plan.layer_mask(key.shape[2], window)
+    mask = plan.layer_mask(key.shape[2], window)[:, None]
     if eager:  # softcapping, attention sinks and the like stay the target's own business
-        return attention(module, query, key, value, additive_mask(mask, query.dtype)[None, None], scaling=scaling,
+        return attention(module, query, key, value, additive_mask(mask, query.dtype), scaling=scaling,
                          dropout=dropout, **kwargs)
-    if plan.mode == "kernel" and query.is_cuda and plan.key_padding is None and window is None:
-        return tree_attention(query, key, value, plan.mask, scaling).transpose(1, 2).contiguous(), None
+    if plan.mode == "kernel" and query.is_cuda and plan.mask.shape[0] == 1 and plan.key_padding is None and \
+            window is None:
+        return tree_attention(query, key, value, plan.mask[0], scaling).transpose(1, 2).contiguous(), None
     # torch's SDPA directly: transformers' wrapper copies K/V per query head whenever a mask is given
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None], scale=scaling,
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
@@ -197,46 +214,62 @@ def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, win
     `attention` with a single query over exactly the keys a decode step at its position would see
     (`VerifyPlan.held_keys`: the cached keys, only the last `window - 1` of them in a sliding-window
     cache layer, then its ancestors in order), with the mask that step would get: transformers
-    skips the SDPA mask of a decode step unless the prompt is padded or the keys fill the window;
-    eager attention always gets one. A contiguous run of keys is a slice of the cache (no copy).
+    skips the SDPA mask of a decode step unless the prompts are padded or the keys fill the window;
+    eager attention always gets one. Each row of a batch runs alone, over its keys without the
+    batch's holes, as plain batched decoding computes each row of its one attention call. A
+    contiguous run of keys is a slice of the cache (no copy).
     """
     n = query.shape[2]
-    past = key.shape[2] - n
+    past = plan.past(key.shape[2])
     eager = attention is not sdpa_attention_forward
-    rows = plan.layer_mask(key.shape[2], window)
+    masks = plan.layer_mask(key.shape[2], window)
     out = query.new_empty(query.shape[0], n, query.shape[1], value.shape[3])
-    for node in range(n):
-        held = plan.held_keys(node, past, getattr(module, "layer_idx", None))
+    for row, node in itertools.product(range(query.shape[0]), range(n)):
+        held = plan.held_keys(row, node, past, getattr(module, "layer_idx", None))
         first, count = int(held[0]), held.shape[0]
         if int(held[-1]) - first + 1 == count:
-            span = slice(first, first + count)
-            keys, values, row = key[:, :, span], value[:, :, span], rows[node : node + 1, span]
-        else:
-            keys, values, row = key.index_select(2, held), value.index_select(2, held), rows[node : node + 1, held]
+            held = slice(first, first + count)
+        keys, values = key[row : row + 1, :, held], value[row : row + 1, :, held]
         mask = None
-        if eager or plan.key_padding is not None or (window is not None and count >= window):
-            mask = (additive_mask(row, query.dtype) if eager else row)[None, None]
-        attended, _ = attention(module, query[:, :, node : node + 1], keys, values, mask, scaling=scaling,
-                                dropout=dropout, **kwargs)
-        out[:, node] = attended[:, 0]
+        if eager or plan.padded or (window is not None and count >= window):
+            seen = masks[row, node : node + 1, held]
+            mask = (additive_mask(seen, query.dtype) if eager else seen)[None, None]
+        attended, _ = attention(module, query[row : row + 1, :, node : node + 1], keys, values, mask,
+                                scaling=scaling, dropout=dropout, **kwargs)
+        out[row, node] = attended[0, 0]
     return out, None
 
 
 class RowByRowLinear(TorchFunctionMode):
-    """Inside an "exact" verify forward, every linear layer runs one block token at a time.
+    """Inside an "exact" verify forward, every linear layer runs one block position at a time, over
+    `batch_size` rows.
 
     Why: a matrix multiply over n rows is not bit-identical, row for row, to n one-row multiplies on
     most backends (MKL and oneDNN on CPU, cuBLAS on CUDA choose other kernels and reduction orders by
-    shape), and plain decoding multiplies one row. Everything else in a decoder layer (norms,
-    rotary, activations) works row by row already.
+    shape), and plain decoding multiplies one token of each of its `batch_size` rows at once (rows
+    that finished included): each position is computed in that shape, with zero rows for the rows
+    this batch no longer has. Everything else in a decoder layer (norms, rotary, activations) works
+    row by row already.
     """
+
+    def __init__(self, batch_size: int = 1):
+        super().__init__()
+        self.batch_size = batch_size
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and args[0].dim() >= 2 and args[0].shape[-2] > 1:
             rows = args[0]
-            return torch.cat([func(rows[..., i : i + 1, :], *args[1:], **kwargs) for i in range(rows.shape[-2])], -2)
+            return torch.cat([self._position(func, rows[..., i : i + 1, :], args[1:], kwargs)
+                              for i in range(rows.shape[-2])], -2)
         return func(*args, **kwargs)
+
+    def _position(self, func, position: torch.Tensor, args, kwargs) -> torch.Tensor:
+        missing = self.batch_size - position.shape[0] if position.dim() == 3 else 0
+        if missing <= 0:
+            return func(position, *args, **kwargs)
+        padded = torch.cat([position, position.new_zeros(missing, *position.shape[1:])])
+        return func(padded, *args, **kwargs)[: position.shape[0]]
 
 
 _ROW_BY_ROW = threading.local()  # the mode is entered per thread (torch keeps its mode stack per thread)
@@ -245,7 +278,7 @@ _ROW_BY_ROW = threading.local()  # the mode is entered per thread (torch keeps i
 def _enter_exact_mode(module, args, kwargs):
     plan = kwargs.get("eagle_verify_plan")
     if plan is not None and plan.mode == "exact":
-        _ROW_BY_ROW.mode = RowByRowLinear()
+        _ROW_BY_ROW.mode = RowByRowLinear(plan.batch_size)
         _ROW_BY_ROW.mode.__enter__()
 
 
@@ -285,57 +318,55 @@ AttentionInterface.register(EAGER_ATTENTION_NAME, functools.partial(tree_attenti
 AttentionMaskInterface.register(EAGER_ATTENTION_NAME, eager_mask)
 
 
-@dataclass
-class BlockOutput:
-    logits: torch.Tensor  # [n, V] float32, raw
-    features: torch.Tensor  # [n, 3 * H_t]
-
-
-def verify_block(
-    target: PreTrainedModel,
-    cache: Cache,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    ancestor_mask: torch.Tensor,
-    target_layer_ids: list[int],
-    mode: str = "batched",
-    prompt_padding: torch.Tensor | None = None,
-) -> BlockOutput:
-    """One target forward over the block (the target must be in `eagle_verification` mode).
+def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, tokens: torch.Tensor,
+                   positions: torch.Tensor, target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over every row's block (`tokens`, `positions` `[B, n]`, the target in
+    `eagle_verification` mode): raw float logits `[B, n, V]` and the drafter's features `[B, n, 3 H_t]`.
 
     The cache records past states first: a sliding-window layer then keeps the whole block until
     `compact_cache` has picked the accepted entries (and only then drops what falls out of its window).
     """
     cache.activate_past_recording()
-    plan = VerifyPlan.for_cache(ancestor_mask, cache, mode, prompt_padding)
-    total = cache.get_seq_length() + tokens.shape[0]
+    static = next((layer for layer in cache.layers if isinstance(layer, StaticLayer)), None)
+    total = static.max_cache_len if static is not None else int(cache.get_seq_length()) + tokens.shape[1]
     out = target(
-        input_ids=tokens[None],
-        position_ids=positions[None],
-        attention_mask=plan.layer_mask(total)[None, None],  # 4D: transformers passes it on (and builds no mask)
+        input_ids=tokens,
+        position_ids=positions,
+        attention_mask=plan.layer_mask(total)[:, None],  # 4D: transformers passes it on (and builds no mask)
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=capture_request(target_layer_ids),
         eagle_verify_plan=plan,
     )
-    return BlockOutput(out.logits[0].float(), select_features(out.hidden_states, target_layer_ids)[0])
+    return out.logits.float(), select_features(out.hidden_states, target_layer_ids)
 
 
-def compact_cache(cache: Cache, start: int, keep: torch.Tensor) -> None:
-    """Keep the block entries `start + keep` (ascending) at `start, start + 1, ...` and drop the rest, in place.
+def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Tensor:
+    """Pack each row's kept block entries (`kept[b]`, ascending) at `start`, cut the block to the longest.
 
+    Returns the `[B, longest]` bool mask of the packed entries that are real (the rest are holes).
     `start` counts every token cached before the block; a sliding-window layer holds fewer, so each
-    layer finds the block at its own end.
+    dynamic layer finds the block at its own end; a static layer has it at `start`. Keys and values
+    are gathered separately: their head sizes differ in MLA targets (DeepSeek, MiniCPM3).
     """
-    block = cache.get_seq_length() - start
+    block = int(cache.get_seq_length()) - start
+    longest = max(k.shape[0] for k in kept)
+    device = next(layer.keys.device for layer in cache.layers if layer.is_initialized)
+    index = torch.zeros(len(kept), longest, dtype=torch.long, device=device)
+    real = torch.zeros(len(kept), longest, dtype=torch.bool, device=device)
+    for b, k in enumerate(kept):
+        index[b, : k.shape[0]] = k.to(device)
+        real[b, : k.shape[0]] = True
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        first = layer.keys.shape[2] - block
-        index = (first + keep).to(layer.keys.device)
-        layer.keys[:, :, first : first + keep.shape[0]] = layer.keys.index_select(2, index)
-        layer.values[:, :, first : first + keep.shape[0]] = layer.values.index_select(2, index)
-    truncate_cache(cache, start + keep.shape[0])
+        first = start if isinstance(layer, StaticLayer) else layer.keys.shape[2] - block
+        for entries in (layer.keys, layer.values):
+            part = entries[:, :, first : first + block]
+            gather = index[:, None, :, None].expand(-1, part.shape[1], -1, part.shape[3])
+            entries[:, :, first : first + longest] = part.gather(2, gather)
+    truncate_cache(cache, start + longest)
+    return real
 
 
 def subtree(tree: DraftTree, root: int, max_depth: int | None) -> torch.Tensor:
@@ -355,18 +386,6 @@ def children_by_token(tree: DraftTree) -> list[dict[int, int]]:
         if parent >= 0:
             children[parent].setdefault(token, node)
     return children
-
-
-@dataclass
-class StepResult:
-    tokens: list[int]  # emitted tokens, the last one is the bonus token
-    path: list[int]  # the accepted draft nodes, root excluded
-    forwards: int  # target forwards spent
-    stopped: bool  # a stopping criterion fired on one of the tokens
-
-    @property
-    def accepted(self) -> int:
-        return len(self.path)
 
 
 @dataclass
@@ -394,50 +413,3 @@ def walk(children: list[dict[int, int]], start: int, emit: Callable[[int], tuple
         if child not in verified:
             return Walk(nodes, tokens, False, child)
         node = child
-
-
-def verify_tree(
-    target: PreTrainedModel,
-    cache: Cache,
-    tree: DraftTree,
-    target_layer_ids: list[int],
-    emit: Callable[[int, torch.Tensor], tuple[int, bool]],
-    push_features: Callable[[torch.Tensor, torch.Tensor], None],
-    chunk_depth: int | None = None,
-    mode: str = "batched",
-    prompt_padding: torch.Tensor | None = None,
-) -> StepResult:
-    """Verify `tree` (root = last emitted token, not yet in the cache), walk, compact, feed the drafter.
-
-    `emit(node, raw_logits)` is called once per walked node with the node's raw target logits; it
-    processes them, picks the next token, records it, and returns `(token, stop)`.
-    With `chunk_depth`, the tree is verified in depth-ordered chunks ("micro-batched" verification):
-    the next chunk, rooted at the accepted child, runs only if the walk reaches it.
-    `prompt_padding` marks the pads of a padded prompt (False for a pad).
-    """
-    start = cache.get_seq_length()
-    pads = 0 if prompt_padding is None else int((~prompt_padding).sum())
-    position_base = start - pads  # the tree root's position (pads take none); node positions add their depth
-    children = children_by_token(tree)
-    emitted: list[int] = []
-    walked: list[int] = []  # the root, then every accepted node
-    forwards = 0
-    root = 0
-    while True:
-        block = subtree(tree, root, chunk_depth)
-        block_start = cache.get_seq_length()
-        mask = tree.ancestor_mask()[block][:, block]
-        out = verify_block(target, cache, tree.tokens[block], position_base + tree.depths[block], mask,
-                           target_layer_ids, mode, prompt_padding)
-        forwards += 1
-        local = {int(node): i for i, node in enumerate(block.tolist())}
-        chunk = walk(children, root, lambda node: emit(node, out.logits[local[node]]), local)
-        emitted += chunk.tokens
-        walked += chunk.nodes
-        keep = torch.tensor([local[node] for node in chunk.nodes], device=tree.tokens.device)
-        compact_cache(cache, block_start, keep)
-        if not chunk.stopped:
-            push_features(out.features[keep][None], torch.tensor([chunk.tokens], device=tree.tokens.device))
-        if chunk.stopped or chunk.next_root is None:
-            return StepResult(emitted, walked[1:], forwards, chunk.stopped)
-        root = chunk.next_root

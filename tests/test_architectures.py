@@ -17,7 +17,7 @@ import importlib.util
 
 import pytest
 import torch
-from tiny_models import VOCAB, make_drafter
+from tiny_models import VOCAB, make_drafter, verify_logits
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig, PreTrainedModel
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
@@ -27,7 +27,7 @@ from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.generation import eagle_verification
 from hf_eagle31.packaged import PACKAGED, load_packaged_model
 from hf_eagle31.training.vocab import build_draft_vocab
-from hf_eagle31.verification import UnsupportedTargetError, verify_block
+from hf_eagle31.verification import UnsupportedTargetError
 
 WINDOW = 6
 PROMPT = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(3))
@@ -164,6 +164,25 @@ def test_windowed_cache_keeps_the_accepted_keys_of_its_window_only(mode):
         torch.testing.assert_close(kept.values, reference.values, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("verify_mode", ["batched", "exact"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("name", ["gemma3_text", "gemma2", "cohere2"])
+def test_hybrid_window_target_continues_from_a_returned_cache(name, mode, verify_mode):
+    """A second turn continues from the cache the first returned, past the window: transformers' assisted loop got
+    the mixed full and windowed layers wrong there (the chain emitted a wrong token)."""
+    target, first_turn, drafter = pair(name)
+    drafter.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, "speculation_mode": mode,
+                                                    "verify_mode": verify_mode, "collapse_fallback": False})
+    out = target.generate(PROMPT, do_sample=False, max_new_tokens=NEW_TOKENS, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, first_turn)
+    second_turn = torch.cat([out.sequences, PROMPT[:, :5]], dim=1)
+    expected = target.generate(second_turn, do_sample=False, max_new_tokens=NEW_TOKENS)
+    got = target.generate(second_turn, do_sample=False, max_new_tokens=NEW_TOKENS, assistant_model=drafter,
+                          past_key_values=out.past_key_values)
+    assert torch.equal(got, expected)
+
+
 #      0
 #    1   2
 #  3  4    5
@@ -192,8 +211,8 @@ def test_verify_logits_past_the_window_equal_one_token_decoding(name):
         reference = torch.stack([decoded(node) for node in range(len(TREE))])
     positions = PROMPT.shape[1] + TREE.depths
     with eagle_verification(target):
-        got = {mode: verify_block(target, copy.deepcopy(prompt_cache), TREE.tokens, positions, TREE.ancestor_mask(),
-                                  drafter.config.target_layer_ids, mode).logits for mode in ("exact", "batched")}
+        got = {mode: verify_logits(target, copy.deepcopy(prompt_cache), TREE.tokens, positions, TREE.ancestor_mask(),
+                                   drafter.config.target_layer_ids, mode) for mode in ("exact", "batched")}
     assert torch.equal(got["exact"], reference)
     torch.testing.assert_close(got["batched"], reference, atol=1e-4, rtol=1e-4)
 

@@ -2,14 +2,17 @@
 plain batched `generate`, with left-padded ragged prompts, rows that stop early, and sampling that
 follows the target's distribution in every row."""
 
+import copy
+
 import pytest
 import torch
 from test_sampling import ALPHA, SAMPLES, TEMPERATURE, TOP_K, exact_joint, goodness_of_fit
 from tiny_models import PROMPTS, make_drafter, make_target, make_tokenizer, trained_pair
-from transformers import TextStreamer
+from transformers import GenerationConfig, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401
+from hf_eagle31.configuration import SPECULATION_DEFAULTS
 from hf_eagle31.bench.batching import left_padded as pad_left
 from hf_eagle31.verification import UnsupportedTargetError
 
@@ -183,3 +186,25 @@ def test_batched_sampling_matches_the_target_distribution_in_every_row(batched_s
         assert p_value > ALPHA, f"row {prompt.tolist()} does not follow the target distribution (p = {p_value:.2e})"
         wrong = goodness_of_fit(row_counts, exact_joint(target, prompt, TEMPERATURE * 1.25, TOP_K))
         assert wrong < ALPHA, "negative control: the test must reject a slightly different distribution"
+
+
+@pytest.fixture(scope="module")
+def bf16_pair():
+    target, drafter = trained_pair("llama", True)
+    return copy.deepcopy(target).to(torch.bfloat16), copy.deepcopy(drafter).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exact_mode_batches_equal_plain_batched_greedy_in_bf16(bf16_pair, mode):
+    """Plain batched decoding multiplies one token of every row (finished rows included) in one matmul, and in bf16
+    a block of tokens rounds otherwise: "exact" verification reproduces that shape position by position."""
+    target, drafter = bf16_pair
+    drafter.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, "speculation_mode": mode,
+                                                    "verify_mode": "exact", "collapse_fallback": False})
+    batch = left_padded(RAGGED[:4])
+    continuation = plain(target, batch, max_new_tokens=40)[:, batch["input_ids"].shape[1]:]
+    eos = int(continuation[1, 7])  # some rows leave the batch early, others do not
+    expected = plain(target, batch, max_new_tokens=40, eos_token_id=eos)
+    out = plain(target, batch, max_new_tokens=40, eos_token_id=eos, assistant_model=drafter)
+    assert torch.equal(out, expected)
+    assert drafter.speculation_stats.accepted[1] > 0, "no path of two drafts was accepted"

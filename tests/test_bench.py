@@ -137,11 +137,11 @@ def test_candidates_follow_the_speedup_formula():
     verify = {1: 1.0, 2: 1.2, 3: 1.5}
     drafts = {1: {1: 0.1, 2: 0.2}, 3: {1: 0.3, 2: 0.5}}
     ranks = {1: [[0, 1], [0], []], 3: [[0, 1], [1], [0]]}
-    candidates = rank_candidates(verify, drafts, ranks)
+    candidates = rank_candidates(verify, drafts, ranks, plain_seconds=1.25)  # packed verification: t(1) < plain
     shapes = {(c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"]) for c in candidates}
     assert shapes == {(1, 1, 1), (1, 2, 2), (3, 1, 1), (3, 1, 2), (3, 2, 2)}  # a chain keeps depth == tokens
     chain = next(c for c in candidates if (c["tree_top_k"], c["tree_depth"]) == (1, 2))
-    assert chain["tau"] == pytest.approx((3 + 2 + 1) / 3) and chain["speedup"] == pytest.approx(chain["tau"] / (1.5 + 0.2))
+    assert chain["tau"] == pytest.approx((3 + 2 + 1) / 3) and chain["speedup"] == pytest.approx(chain["tau"] * 1.25 / (1.5 + 0.2))
 
 
 def test_projection_to_a_real_shape_measures_and_extrapolates():

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_eagle31.control import CollapseMonitor, LengthController
-from hf_eagle31.drafting import DrafterState, DraftTree, draft_chain, draft_tree
+from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention_reference
 from hf_eagle31.verification import VerifyPlan, compact_cache, decode_equivalent_attention
@@ -79,19 +79,19 @@ def test_batched_tree_drafting_matches_the_one_node_at_a_time_reference(eagle31)
     assert all(p < n for n, p in enumerate(tree.parents.tolist()) if n > 0)  # parents precede children
 
 
-def test_draft_chain_equals_step_by_step_drafting():
+def test_a_tree_of_top_k_1_is_the_greedy_chain_drafted_step_by_step():
     target = make_target("qwen2")
     drafter = make_drafter(target, eagle31=True)
-    features, tokens, _ = context(target, drafter, PROMPTS[1:2])
+    features, tokens, root = context(target, drafter, PROMPTS[1:2])
     state = DrafterState(drafter)
     state.push(features, tokens)
-    chain, logits = draft_chain(state, 4, lambda row: row.argmax(-1, keepdim=True))
+    (chain,) = draft_tree(state, root[0], depth=4, top_k=1, total_tokens=4)
+    assert chain.parents.tolist() == [-1, 0, 1, 2, 3] and chain.ranks.tolist() == [-1, 0, 1, 2, 3]
     path = []
     for step in range(4):
-        expected = path_log_probs(drafter, features, tokens, path).argmax()
-        assert int(chain[0, step]) == int(expected)
+        expected = drafter.draft_to_target(path_log_probs(drafter, features, tokens, path).argmax())
+        assert int(chain.tokens[step + 1]) == int(expected)
         path.append(int(expected))
-    assert logits.shape == (1, 4, drafter.config.draft_vocab_size)
 
 
 def test_drafter_state_drops_draft_entries_and_keeps_real_ones():
@@ -100,7 +100,7 @@ def test_drafter_state_drops_draft_entries_and_keeps_real_ones():
     features, tokens, _ = context(target, drafter, PROMPTS[2:3])
     state = DrafterState(drafter)
     state.push(features[:, :4], tokens[:, :4])
-    draft_chain(state, 3, lambda row: row.argmax(-1, keepdim=True))
+    draft_tree(state, tokens[0, 3:4], depth=3, top_k=2, total_tokens=6)
     state.push(features[:, 4:], tokens[:, 4:])
     hidden, logits = state.catch_up()
     fresh = drafter(tokens, features)
@@ -117,9 +117,8 @@ def test_a_batch_of_ragged_rows_drafts_what_each_row_drafts_alone(mode):
     firsts = [2, 4, 1]  # each row's features arrive in two steps, split here
 
     def draft(state, roots):
-        if mode == "tree":
-            return [tree.tokens for tree in draft_tree(state, roots, depth=3, top_k=3, total_tokens=8)]
-        return list(draft_chain(state, 4, lambda logits: logits.argmax(-1, keepdim=True))[0])
+        shape = dict(depth=3, top_k=3, total_tokens=8) if mode == "tree" else dict(depth=4, top_k=1, total_tokens=4)
+        return [tree.tokens for tree in draft_tree(state, roots, **shape)]
 
     batch, roots = DrafterState(drafter, 3), torch.cat([root[0] for _, _, root in rows])
     for step in (slice(None, 2), slice(2, None)):  # 1st step: the first part of every row; 2nd: the rest
@@ -152,7 +151,7 @@ def test_compact_cache_keeps_the_accepted_entries_in_order():
     cache = DynamicCache()
     keys = torch.arange(2 * 10 * 3, dtype=torch.float).view(1, 2, 10, 3)
     cache.update(keys, -keys, 0)
-    compact_cache(cache, start=4, keep=torch.tensor([0, 2, 5]))
+    compact_cache(cache, 4, [torch.tensor([0, 2, 5])])
     kept = [0, 1, 2, 3, 4, 6, 9]
     assert torch.equal(cache.layers[0].keys, keys[:, :, kept]) and torch.equal(cache.layers[0].values, -keys[:, :, kept])
 
@@ -169,7 +168,7 @@ def test_decode_equivalent_attention_equals_one_token_decoding_bit_for_bit(dtype
     value, query = torch.randn_like(key), torch.randn(1, 4, n, 16, dtype=dtype)
     tree = DraftTree(torch.arange(n), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]))
     mask = tree.ancestor_mask()
-    out, _ = decode_equivalent_attention(_Attention(), query, key, value, VerifyPlan(mask, "exact"), None, 0.25, 0.0)
+    out, _ = decode_equivalent_attention(_Attention(), query, key, value, VerifyPlan(mask[None], "exact"), None, 0.25, 0.0)
     for node in range(n):
         seen = list(range(prefix)) + [prefix + j for j in mask[node].nonzero().flatten().tolist()]
         decode_query = query[:, :, node : node + 1].transpose(1, 2).contiguous().transpose(1, 2)  # as q_proj lays it out

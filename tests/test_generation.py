@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from tiny_models import PROMPTS, VOCAB, make_drafter, make_target, make_tokenizer, trained_pair
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
@@ -149,7 +149,7 @@ def test_text_iterator_streamer(mode):
     ({"output_hidden_states": True, "return_dict_in_generate": True}, "hidden states"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "attentions"),
     ({"use_cache": False}, "use_cache=False"),
-    ({"cache_implementation": "static"}, "DynamicCache"),
+    ({"cache_implementation": "offloaded"}, "DynamicCache or a StaticCache"),
     ({"inputs_embeds": torch.zeros(1, 6, 64)}, "pass input_ids, not inputs_embeds"),
 ])
 def test_what_eagle_cannot_do_is_refused_by_name(mode, kwargs, message):
@@ -157,6 +157,36 @@ def test_what_eagle_cannot_do_is_refused_by_name(mode, kwargs, message):
     with pytest.raises(ValueError, match=message):
         target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=5, assistant_model=drafter, **kwargs)
     assert target.config._attn_implementation != "eagle_tree"
+
+
+@pytest.mark.parametrize("verify_mode", ["batched", "exact"])
+@pytest.mark.parametrize("mode", MODES)
+def test_static_cache_equals_plain_greedy_without_reallocation(mode, verify_mode):
+    """cache_implementation="static", and a user's StaticCache: rejected drafts are rolled back by position and
+    accepted nodes copied into place, in the cache's own tensors; a tree near the end of the cache is cut to fit."""
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, verify_mode=verify_mode,
+                                   collapse_fallback=False)
+    expected = plain(target, PROMPTS[:1], max_new_tokens=40)
+    out = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=40, assistant_model=drafter,
+                          cache_implementation="static", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected) and isinstance(out.past_key_values, StaticCache)
+    assert drafter.speculation_stats.accepted[1] > 0, "no path of two drafts was accepted"
+    text = target.config
+    cache = StaticCache(config=text, max_cache_len=expected.shape[1])
+    cache.early_initialization(1, text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
+                               target.dtype, target.device)
+    storage = [layer.keys.data_ptr() for layer in cache.layers]
+    got = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=40, assistant_model=drafter,
+                          past_key_values=cache)
+    assert torch.equal(got, expected)
+    assert [layer.keys.data_ptr() for layer in cache.layers] == storage
+
+
+def test_static_cache_is_refused_for_batches_by_name():
+    target, drafter = trained_pair("llama", True)
+    with pytest.raises(ValueError, match="static cache takes one prompt"):
+        target.generate(PROMPTS[:2], do_sample=False, max_new_tokens=5, assistant_model=drafter,
+                        cache_implementation="static")
 
 
 def test_continuous_batching_refuses_a_drafter_it_would_ignore():
@@ -239,7 +269,7 @@ def test_interrupting_an_exact_verify_forward_leaves_nothing_switched_on():
 
 
 def test_sampling_when_the_first_draft_token_is_eos():
-    """The draft is cut to nothing before an eos: a plain step, not an empty proposal transformers cannot slice."""
+    """Drafts that begin with the eos token: the walk stops on it, so no sample ever follows an eos."""
     target, drafter = trained_pair("llama", True, speculation_mode="chain", collapse_fallback=False)
     first = int(drafter.draft_to_target(torch.tensor(0)))  # make every draft's first token the eos
     with torch.no_grad():
@@ -247,9 +277,9 @@ def test_sampling_when_the_first_draft_token_is_eos():
     try:
         for seed in range(3):
             torch.manual_seed(seed)
-            target.generate(PROMPTS[:1], do_sample=True, max_new_tokens=10, assistant_model=drafter,
-                            eos_token_id=first, pad_token_id=0)
-        assert drafter.speculation_stats.plain_steps > 0
+            out = target.generate(PROMPTS[:1], do_sample=True, max_new_tokens=10, assistant_model=drafter,
+                                  eos_token_id=first, pad_token_id=0)[0, PROMPTS.shape[1] :].tolist()
+            assert first not in out[:-1] and drafter.speculation_stats.speculative_forwards > 0
     finally:
         with torch.no_grad():
             drafter.lm_head.weight[0] -= 1000.0

@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from tiny_models import make_drafter, make_target, make_tokenizer
 
 from hf_eagle31.cli import main as cli_main
-from hf_eagle31.conversion.layouts import ExportError, save_in_layout
+from hf_eagle31.conversion.layouts import save_in_layout
 from hf_eagle31.packaged import PACKAGED, PackagedModel, cache_root, hub_id, portable_name
 from hf_eagle31.training import train_drafter
 from hf_eagle31.training.command import load_target

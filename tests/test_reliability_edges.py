@@ -99,18 +99,19 @@ def test_processors_holding_every_prompt_apply_per_row(setting, mode):
     assert torch.equal(with_drafter(target, drafter, mode, **kwargs), plain(target, **kwargs))
 
 
-@pytest.mark.parametrize("mode, rows", [("chain", 1), ("chain", 2), ("tree", 2)])
-def test_classifier_free_guidance_is_refused_where_it_would_be_wrong(mode, rows):
+@pytest.mark.parametrize("mode", MODES)
+def test_classifier_free_guidance_is_refused_for_batches(mode):
     target, drafter = trained_pair("llama", True, collapse_fallback=False)
-    inputs = ragged(PROMPTS[0:1]) if rows > 1 else {"input_ids": PROMPTS[0:1]}
-    with pytest.raises(ValueError, match=r"classifier-free guidance \(guidance_scale\) only in tree mode with one"):
-        with_drafter(target, drafter, mode, **inputs, max_new_tokens=10, pad_token_id=0, guidance_scale=1.5)
+    with pytest.raises(ValueError, match=r"classifier-free guidance \(guidance_scale\) only with one prompt"):
+        with_drafter(target, drafter, mode, **ragged(PROMPTS[0:1]), max_new_tokens=10, pad_token_id=0,
+                     guidance_scale=1.5)
 
 
-def test_classifier_free_guidance_in_tree_mode_with_one_prompt_equals_plain():
+@pytest.mark.parametrize("mode", MODES)
+def test_classifier_free_guidance_with_one_prompt_equals_plain(mode):
     target, drafter = trained_pair("llama", True, collapse_fallback=False)
     kwargs = dict(input_ids=PROMPTS[0:1], max_new_tokens=10, guidance_scale=1.5)
-    assert torch.equal(with_drafter(target, drafter, "tree", **kwargs), plain(target, **kwargs))
+    assert torch.equal(with_drafter(target, drafter, mode, **kwargs), plain(target, **kwargs))
 
 
 @pytest.mark.parametrize("mode", MODES)

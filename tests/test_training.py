@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_eagle31 import Eagle3DraftModel
 from hf_eagle31.cli import main as cli_main
-from hf_eagle31.drafting import DrafterState, draft_chain
+from hf_eagle31.drafting import DrafterState
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.training import evaluate_acceptance, train_drafter
 from hf_eagle31.training.data import TrainingSequence, fit_length, self_distill
@@ -78,10 +78,12 @@ def test_unroll_equals_inference_time_chains(target, eagle31):
     for t in range(ids.shape[1] - 5):
         state = DrafterState(drafter)
         state.push(features[:, : t + 1], ids[:, 1 : t + 2])
-        teacher = iter(ids[0, t + 2 :].tolist())  # the chain is fed the sequence's own next tokens
-        _, chain_logits = draft_chain(state, 4, lambda logits: torch.tensor([[next(teacher)]]))
-        for k in range(4):
-            torch.testing.assert_close(steps[k][0, t], chain_logits[0, k], rtol=1e-4, atol=1e-5)
+        hidden, logits = state.catch_up()
+        for k, token in enumerate(ids[0, t + 2 : t + 6].tolist()):  # the chain is fed the sequence's own tokens
+            torch.testing.assert_close(steps[k][0, t], logits[0, -1], rtol=1e-4, atol=1e-5)
+            seen = torch.ones(1, k + 1, dtype=torch.bool)  # as a draft level sees the levels before it
+            out = drafter(torch.tensor([[token]]), hidden, state.positions[:, None] + k, state.cache, state.visible(seen))
+            hidden, logits = out.hidden_states, out.logits
 
 
 def test_unroll_gradients_reach_every_step(target):

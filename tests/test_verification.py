@@ -9,12 +9,11 @@ import copy
 
 import pytest
 import torch
-from tiny_models import PROMPTS, make_target
+from tiny_models import PROMPTS, make_target, verify_logits
 from transformers import DynamicCache
 
 from hf_eagle31.drafting import DraftTree
 from hf_eagle31.generation import eagle_verification
-from hf_eagle31.verification import verify_block
 
 #      0
 #    1   2
@@ -54,7 +53,7 @@ def test_verify_logits_against_one_token_decoding(arch, dtype, tree):
     expected = torch.stack([decoded_logits(target, prompt_cache, tree, node) for node in range(len(tree))])
     mask, positions = tree.ancestor_mask(), prompt.shape[1] + tree.depths
     with eagle_verification(target):
-        got = {mode: verify_block(target, copy.deepcopy(prompt_cache), tree.tokens, positions, mask, [1, 2, 3], mode).logits
+        got = {mode: verify_logits(target, copy.deepcopy(prompt_cache), tree.tokens, positions, mask, [1, 2, 3], mode)
                for mode in ("exact", "batched")}
     assert torch.equal(got["exact"], expected)
     tolerance = 1e-4 if dtype == torch.float32 else 0.25
@@ -62,5 +61,5 @@ def test_verify_logits_against_one_token_decoding(arch, dtype, tree):
     wrong_mask = torch.ones_like(mask).tril()  # level order seen as a chain: every node sees its siblings
     if not torch.equal(wrong_mask, mask):
         with eagle_verification(target):
-            wrong = verify_block(target, copy.deepcopy(prompt_cache), tree.tokens, positions, wrong_mask, [1, 2, 3]).logits
+            wrong = verify_logits(target, copy.deepcopy(prompt_cache), tree.tokens, positions, wrong_mask, [1, 2, 3])
         assert (wrong - expected).abs().max() > 10 * tolerance

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM
 
 from hf_eagle31.model_cards.card import write_model_card
 from hf_eagle31.modeling import Eagle3DraftModel

@@ -71,6 +71,6 @@ def measure_costs(
 def project(costs: dict, ranks_by_top_k: dict[int, list[list[int]]]) -> dict:
     """The best draft shape for these costs and this acceptance, and its projected speedup."""
     verify, drafts = costs["verify_seconds"], costs["draft_seconds"]
-    candidates = rank_candidates(verify, {k: drafts[k] for k in ranks_by_top_k if k in drafts}, ranks_by_top_k)
+    candidates = rank_candidates(verify, {k: drafts[k] for k in ranks_by_top_k if k in drafts}, ranks_by_top_k, verify[1])
     return {"step_seconds": verify[1], "verify_cost_ratio": {n: t / verify[1] for n, t in verify.items()},
             "draft_seconds": drafts, "best": max(candidates, key=lambda c: c["speedup"])}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, gather_object, set_seed
+from accelerate.utils import GradientAccumulationPlugin, set_seed
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
