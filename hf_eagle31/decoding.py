@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,8 @@ class Speculation:
     monitor: CollapseMonitor  # whether drafting pays
     chunk_depth: int | None  # levels per verify forward, None: the whole tree
     verify_mode: str  # VerifyPlan's mode
+    compiled: Callable | None = None  # the target's compiled call (static cache, compile_config)
+    block_size: int = 0  # with `compiled`: every verify block padded to this many tokens, one graph per call
 
 
 @dataclass
@@ -135,10 +138,11 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
 
 
 def _block(trees: list[DraftTree], ancestors: list[torch.Tensor], blocks: list[torch.Tensor], roots: list[int],
-           pad: int):
+           pad: int, width: int = 0):
     """A verify forward's input: tokens and positions `[B, n]` and the ancestor masks `[B, n, n]` of each row's
-    `blocks` nodes (a row with none, or fewer than `n`, is padded with nodes that see only themselves)."""
-    n = max(block.shape[0] for block in blocks)
+    `blocks` nodes, `n` the largest block or `width` (a row with fewer nodes is padded with nodes that see only
+    themselves)."""
+    n = max(width, *(block.shape[0] for block in blocks))
     device = trees[0].tokens.device
     tokens = torch.full((len(trees), n), pad, dtype=torch.long, device=device)
     positions = torch.zeros(len(trees), n, dtype=torch.long, device=device)
@@ -246,10 +250,12 @@ def eagle_decoding(
         while any(step.next_root is not None for step in steps):
             blocks = [empty if step.next_root is None else subtree(tree, step.next_root, speculation.chunk_depth)
                       for tree, step in zip(trees, steps)]
-            tokens, positions, mask = _block(trees, ancestors, blocks, roots, pad)
+            fixed = speculation.compiled is not None and speculation.block_size - 1 <= draft_room(cache)
+            tokens, positions, mask = _block(trees, ancestors, blocks, roots, pad, speculation.block_size if fixed else 0)
             plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, key_mask, input_ids.shape[1], batch_size)
             cached = int(cache.get_seq_length())
-            logits, block_features = verify_forward(model, cache, plan, tokens, positions, layer_ids)
+            logits, block_features = verify_forward(model, cache, plan, tokens, positions, layer_ids,
+                                                    speculation.compiled if fixed else None)
             kept = []
             for b, (row, block, step) in enumerate(zip(rows, blocks, steps)):
                 if step.next_root is None:

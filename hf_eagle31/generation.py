@@ -323,7 +323,11 @@ def install() -> None:
             drafter.speculation_stats = SpeculationStats(mode=speculation_setting(drafter, "speculation_mode"),
                                                          fallbacks=1)
             return self._sample(input_ids, *args, **kwargs)
-        pack = packs_weights(drafter)
+        config = kwargs["generation_config"]
+        if speculation.verify_mode == "batched" and self._valid_auto_compile_criteria(kwargs, config):
+            speculation.compiled = self.get_compiled_call(config.compile_config)  # as plain decoding compiles
+            speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
+        pack = packs_weights(drafter) and speculation.compiled is None  # inductor packs its own weights
         with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
             return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
 

@@ -319,25 +319,24 @@ AttentionMaskInterface.register(EAGER_ATTENTION_NAME, eager_mask)
 
 
 def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, tokens: torch.Tensor,
-                   positions: torch.Tensor, target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                   positions: torch.Tensor, target_layer_ids: list[int],
+                   compiled: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over every row's block (`tokens`, `positions` `[B, n]`, the target in
     `eagle_verification` mode): raw float logits `[B, n, V]` and the drafter's features `[B, n, 3 H_t]`.
 
     The cache records past states first: a sliding-window layer then keeps the whole block until
     `compact_cache` has picked the accepted entries (and only then drops what falls out of its window).
+    `compiled` is the target's compiled call (transformers' `compile_config` path, a "batched" plan on a
+    static cache): the 4D mask alone then carries the plan, the target's own attention applies it, and
+    dynamo traces one graph per block size.
     """
     cache.activate_past_recording()
     static = next((layer for layer in cache.layers if isinstance(layer, StaticLayer)), None)
     total = static.max_cache_len if static is not None else int(cache.get_seq_length()) + tokens.shape[1]
-    out = target(
-        input_ids=tokens,
-        position_ids=positions,
-        attention_mask=plan.layer_mask(total)[:, None],  # 4D: transformers passes it on (and builds no mask)
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=capture_request(target_layer_ids),
-        eagle_verify_plan=plan,
-    )
+    inputs = dict(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,
+                  attention_mask=plan.layer_mask(total)[:, None],  # 4D: transformers passes it on (and builds no mask)
+                  output_hidden_states=capture_request(target_layer_ids))
+    out = compiled(**inputs) if compiled is not None else target(**inputs, eagle_verify_plan=plan)
     return out.logits.float(), select_features(out.hidden_states, target_layer_ids)
 
 

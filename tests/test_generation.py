@@ -1,6 +1,7 @@
 """EAGLE decoding through `target.generate(assistant_model=drafter)` is lossless: greedy output equals
 plain `generate` token for token, in chain and tree mode, with every decoding control honoured."""
 
+import copy
 import logging
 import subprocess
 import sys
@@ -180,6 +181,25 @@ def test_static_cache_equals_plain_greedy_without_reallocation(mode, verify_mode
                           past_key_values=cache)
     assert torch.equal(got, expected)
     assert [layer.keys.data_ptr() for layer in cache.layers] == storage
+
+
+def test_compile_config_compiles_one_verify_graph_and_equals_plain_greedy():
+    """transformers' compile path (static cache, `compile_config`): every verify block is padded to one size, so the
+    compiled target forward is traced once per call, dynamic speculation and plain steps included."""
+    from transformers import CompileConfig
+
+    target, drafter = trained_pair("llama", True, collapse_fallback=False, tree_depth=3, tree_top_k=2,
+                                   tree_total_tokens=5)
+    expected = plain(target, PROMPTS[:1], max_new_tokens=30)
+    compiled = copy.deepcopy(target)  # the compiled call is kept on the model
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True  # transformers compiles decoding on GPUs only, unless told
+    torch._dynamo.reset()
+    out = compiled.generate(PROMPTS[:1], do_sample=False, max_new_tokens=30, assistant_model=drafter,
+                            cache_implementation="static", compile_config=config)
+    assert torch.equal(out, expected)
+    assert drafter.speculation_stats.accepted[1] > 0, "no path of two drafts was accepted"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_static_cache_is_refused_for_batches_by_name():
