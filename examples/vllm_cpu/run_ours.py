@@ -1,0 +1,71 @@
+"""Our side: the same target alone, or with the same drafter (EAGLE 3.1 or EAGLE-3, before export), greedy on the
+same held-out questions, in the shape vLLM runs: a chain of 3, no dynamic length, no collapse fallback.
+
+    .venv/bin/python examples/vllm_cpu/run_ours.py --target TARGET [--drafter examples/smollm2/eagle31] --out FILE.json
+
+Each question is generated alone (batch 1), timed from the call to its return; the acceptance counters are
+`drafter.speculation_stats` (tau: tokens per speculative target forward, the bonus token included).
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from questions import question_ids
+from transformers import AutoModelForCausalLM
+
+from hf_eagle31 import Eagle3DraftModel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="the target's local HF folder")
+    parser.add_argument("--drafter", help="a drafter folder (any layout); none: target alone")
+    parser.add_argument("--tokens", type=int, default=3, help="num_assistant_tokens (chain length)")
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    drafter = None
+    if args.drafter:
+        drafter = Eagle3DraftModel.from_pretrained(
+            args.drafter, speculation_mode="chain", num_assistant_tokens=args.tokens, dynamic_speculation=False,
+            collapse_fallback=False).to(torch.float32).eval()
+    prompts = question_ids(args.target, args.questions)
+    greedy = {"do_sample": False, "assistant_model": drafter} if drafter else {"do_sample": False}
+    target.generate(torch.tensor([prompts[0]]), max_new_tokens=16, **greedy)  # warm-up, not counted
+
+    rows = []
+    for ids in prompts:
+        started = time.perf_counter()
+        out = target.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, **greedy)
+        seconds = time.perf_counter() - started
+        row = {"tokens": out[0, len(ids):].tolist(), "seconds": seconds}
+        if drafter:
+            stats = drafter.speculation_stats
+            row |= {"drafts": stats.speculative_forwards, "accepted": stats.speculative_tokens - stats.speculative_forwards,
+                    "per_position": list(stats.accepted) + [0] * (args.tokens - len(stats.accepted))}
+        rows.append(row)
+    report(args, rows)
+
+
+def report(args, rows: list[dict]) -> None:
+    tokens, seconds = sum(len(r["tokens"]) for r in rows), sum(r["seconds"] for r in rows)
+    summary = {"engine": "hf_eagle31", "drafter": args.drafter, "chain": args.tokens if args.drafter else 0,
+               "new_tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2)}
+    if args.drafter:
+        drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
+        summary |= {"acceptance_length": round(1 + accepted / max(drafts, 1), 3),
+                    "per_position": [sum(p) for p in zip(*(r["per_position"] for r in rows))], "drafts": drafts}
+    print(json.dumps(summary))
+    with open(args.out, "w") as f:
+        json.dump({"summary": summary, "questions": rows}, f)
+
+
+if __name__ == "__main__":
+    main()
