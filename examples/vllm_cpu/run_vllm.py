@@ -1,7 +1,7 @@
 """vLLM's side: the target alone, or with an exported EAGLE-3 / EAGLE 3.1 head, greedy on the held-out questions.
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
-        /work/vllm-venv/bin/python examples/vllm_cpu/run_vllm.py --target TARGET [--drafter EXPORT] --out FILE.json
+        ../vllm-venv/bin/python examples/vllm_cpu/run_vllm.py --target TARGET [--drafter EXPORT] --out FILE.json
 
 Run with the vLLM venv's python (README.md). Each question is generated alone (batch 1, as `generate` runs), timed
 from the request to its last token; acceptance comes from vLLM's own spec-decode counters (`LLM.get_metrics()`).
