@@ -39,7 +39,7 @@ def main() -> None:
     turns = [json.loads(line)["turns"][0] for line in Path(args.prompt_file).read_text().splitlines()][: args.prompts]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
                                              return_tensors="pt", return_dict=True)["input_ids"] for turn in turns]
-    compile_config = CompileConfig(mode="default", options={"freezing": True} if args.freezing else None)
+    compile_config = CompileConfig(mode=None, options={"freezing": True}) if args.freezing else CompileConfig(mode="default")
     compile_config._compile_all_devices = True
     static = dict(cache_implementation="static", compile_config=compile_config,
                   max_cache_len=max(p.shape[1] for p in prompts) + args.max_new_tokens + 16)  # one cache size: one graph
