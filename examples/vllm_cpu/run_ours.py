@@ -8,11 +8,10 @@ Each question is generated alone (batch 1), timed from the call to its return; t
 """
 
 import argparse
-import json
 import time
 
 import torch
-from questions import question_ids
+from shared import question_ids, write_report
 from transformers import AutoModelForCausalLM
 
 from hf_eagle31 import Eagle3DraftModel
@@ -51,20 +50,7 @@ def main() -> None:
             row |= {"drafts": stats.speculative_forwards, "accepted": stats.speculative_tokens - stats.speculative_forwards,
                     "per_position": list(stats.accepted) + [0] * (args.tokens - len(stats.accepted))}
         rows.append(row)
-    report(args, rows)
-
-
-def report(args, rows: list[dict]) -> None:
-    tokens, seconds = sum(len(r["tokens"]) for r in rows), sum(r["seconds"] for r in rows)
-    summary = {"engine": "hf_eagle31", "drafter": args.drafter, "chain": args.tokens if args.drafter else 0,
-               "new_tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2)}
-    if args.drafter:
-        drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
-        summary |= {"acceptance_length": round(1 + accepted / max(drafts, 1), 3),
-                    "per_position": [sum(p) for p in zip(*(r["per_position"] for r in rows))], "drafts": drafts}
-    print(json.dumps(summary))
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "questions": rows}, f)
+    write_report("hf_eagle31", args, rows)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,9 @@ from the request to its last token; acceptance comes from vLLM's own spec-decode
 """
 
 import argparse
-import json
 import time
 
-from questions import question_ids
+from shared import question_ids, write_report
 from vllm import LLM, SamplingParams, TokensPrompt
 
 
@@ -60,21 +59,7 @@ def main() -> None:
         per_position = [a - b for a, b in zip(after["per_position"], before["per_position"] or [0] * args.tokens)]
         rows.append({"tokens": list(out.token_ids), "seconds": seconds, "drafts": after["drafts"] - before["drafts"],
                      "accepted": after["accepted"] - before["accepted"], "per_position": per_position})
-    report(args, rows, load_seconds)
-
-
-def report(args, rows: list[dict], load_seconds: float) -> None:
-    tokens, seconds = sum(len(r["tokens"]) for r in rows), sum(r["seconds"] for r in rows)
-    drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
-    summary = {"engine": "vllm", "drafter": args.drafter, "chain": args.tokens if args.drafter else 0,
-               "new_tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
-               "load_seconds": round(load_seconds, 1)}
-    if args.drafter:
-        summary |= {"acceptance_length": round(1 + accepted / max(drafts, 1), 3),
-                    "per_position": [sum(p) for p in zip(*(r["per_position"] for r in rows))], "drafts": drafts}
-    print(json.dumps(summary))
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "questions": rows}, f)
+    write_report("vllm", args, rows, load_seconds=round(load_seconds, 1))
 
 
 if __name__ == "__main__":
