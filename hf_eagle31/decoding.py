@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import Cache, GenerationConfig, PreTrainedModel
-from transformers.cache_utils import StaticLayer
 from transformers.generation.logits_process import (
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
@@ -51,6 +50,7 @@ from hf_eagle31.verification import (
     compact_cache,
     has_sliding_window,
     pick_token,
+    static_capacity,
     subtree,
     verify_forward,
     walk,
@@ -157,9 +157,10 @@ def _block(trees: list[DraftTree], ancestors: list[torch.Tensor], blocks: list[t
 
 
 def draft_room(cache: Cache) -> int:
-    """How many draft nodes still fit after the root: a static cache holds `max_cache_len` tokens, a dynamic one grows."""
-    static = [layer.max_cache_len for layer in cache.layers if isinstance(layer, StaticLayer)]
-    return min(static) - int(cache.get_seq_length()) - 1 if static else 1 << 30
+    """How many draft nodes still fit after the root: a static cache holds `static_capacity` tokens, a dynamic one
+    grows."""
+    capacity = static_capacity(cache)
+    return 1 << 30 if capacity is None else capacity - int(cache.get_seq_length()) - 1
 
 
 def _leave(rows: list[Row], finished: list[Row], cache: Cache, state: DrafterState, key_mask: torch.Tensor):
@@ -253,7 +254,6 @@ def eagle_decoding(
             fixed = speculation.compiled is not None and speculation.block_size - 1 <= draft_room(cache)
             tokens, positions, mask = _block(trees, ancestors, blocks, roots, pad, speculation.block_size if fixed else 0)
             plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, key_mask, input_ids.shape[1], batch_size)
-            cached = int(cache.get_seq_length())
             logits, block_features = verify_forward(model, cache, plan, tokens, positions, layer_ids,
                                                     speculation.compiled if fixed else None)
             kept = []
@@ -272,7 +272,7 @@ def eagle_decoding(
                 step.nodes += chunk.nodes
                 step.tokens += chunk.tokens
                 step.forwards += 1
-            key_mask = torch.cat([key_mask, compact_cache(cache, cached, kept).to(key_mask.device)], dim=1)
+            key_mask = torch.cat([key_mask, compact_cache(cache, plan.cached, kept).to(key_mask.device)], dim=1)
         return steps
 
     controller, monitor = speculation.controller, speculation.monitor

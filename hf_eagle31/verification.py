@@ -318,6 +318,12 @@ AttentionInterface.register(EAGER_ATTENTION_NAME, functools.partial(tree_attenti
 AttentionMaskInterface.register(EAGER_ATTENTION_NAME, eager_mask)
 
 
+def static_capacity(cache: Cache) -> int | None:
+    """How many tokens a static cache holds (its layers return that many keys); None for a cache that grows."""
+    static = [layer.max_cache_len for layer in cache.layers if isinstance(layer, StaticLayer)]
+    return min(static) if static else None
+
+
 def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, tokens: torch.Tensor,
                    positions: torch.Tensor, target_layer_ids: list[int],
                    compiled: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,8 +337,7 @@ def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, toke
     dynamo traces one graph per block size.
     """
     cache.activate_past_recording()
-    static = next((layer for layer in cache.layers if isinstance(layer, StaticLayer)), None)
-    total = static.max_cache_len if static is not None else int(cache.get_seq_length()) + tokens.shape[1]
+    total = static_capacity(cache) or int(cache.get_seq_length()) + tokens.shape[1]
     inputs = dict(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,
                   attention_mask=plan.layer_mask(total)[:, None],  # 4D: transformers passes it on (and builds no mask)
                   output_hidden_states=capture_request(target_layer_ids))
