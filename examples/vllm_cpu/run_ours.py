@@ -7,25 +7,18 @@ Each question is generated alone (batch 1), timed from the call to its return; t
 `drafter.speculation_stats` (tau: tokens per speculative target forward, the bonus token included).
 """
 
-import argparse
 import time
 
 import torch
-from shared import question_ids, write_report
+from shared import question_ids, run_arguments, write_report
 from transformers import AutoModelForCausalLM
 
 from hf_eagle31 import Eagle3DraftModel
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True, help="the target's local HF folder")
-    parser.add_argument("--drafter", help="a drafter folder (any layout); none: target alone")
-    parser.add_argument("--tokens", type=int, default=3, help="num_assistant_tokens (chain length)")
-    parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser = run_arguments(__doc__, "a drafter folder (any layout)", "num_assistant_tokens")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)

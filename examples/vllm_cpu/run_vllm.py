@@ -7,10 +7,9 @@ Run with the vLLM venv's python (README.md). Each question is generated alone (b
 from the request to its last token; acceptance comes from vLLM's own spec-decode counters (`LLM.get_metrics()`).
 """
 
-import argparse
 import time
 
-from shared import question_ids, write_report
+from shared import question_ids, run_arguments, write_report
 from vllm import LLM, SamplingParams, TokensPrompt
 
 
@@ -29,13 +28,7 @@ def counters(llm: LLM) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True, help="the target's local HF folder")
-    parser.add_argument("--drafter", help="an exported head (speculators or specforge layout); none: target alone")
-    parser.add_argument("--tokens", type=int, default=3, help="num_speculative_tokens (chain length)")
-    parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--out", required=True)
+    parser = run_arguments(__doc__, "an exported head (speculators or specforge layout)", "num_speculative_tokens")
     args = parser.parse_args()
 
     speculative = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.tokens}

@@ -4,6 +4,7 @@ The questions: the first user turn of the first N held-out ShareGPT conversation
 (`examples/smollm2/heldout_conversations.jsonl`, never trained on), through the target's chat template with its
 default system prompt, as token ids (both engines get the same ids)."""
 
+import argparse
 import json
 from pathlib import Path
 
@@ -33,3 +34,15 @@ def write_report(engine: str, args, rows: list[dict], **extra) -> None:
     print(json.dumps(summary))
     with open(args.out, "w") as f:
         json.dump({"summary": summary, "questions": rows}, f)
+
+
+def run_arguments(description: str, drafter_help: str, tokens_help: str) -> argparse.ArgumentParser:
+    """The arguments both runners take, with the same defaults: a comparison needs the same questions and lengths."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="the target's local HF folder")
+    parser.add_argument("--drafter", help=f"{drafter_help}; none: target alone")
+    parser.add_argument("--tokens", type=int, default=3, help=f"{tokens_help} (chain length)")
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--out", required=True)
+    return parser
