@@ -8,7 +8,8 @@
 1. the CUDA test suite (Triton tree-attention kernel tests) under pytest;
 2. the kernel against SDPA with a dense boolean mask at prefix 1k/4k/16k, tree size 64;
 3. lossless decoding on CUDA in bf16: tiny Llama/Qwen2 pairs, chain and tree, with
-   verify_mode="exact" (must match plain greedy exactly), "batched" and "kernel" (mismatches counted);
+   verify_mode="exact" (must match plain greedy exactly, alone and in a batch of 4 against plain batched
+   greedy), "batched" and "kernel" (mismatches counted);
 4. a randomly initialised Llama-3.1-8B-shaped target in bf16 and nf4 (nf4 needs bitsandbytes):
    single-token step time, verify cost curve t(n)/t(1) for n up to 128, drafter tree cost per depth,
    and the memory planner's prediction against torch.cuda.max_memory_allocated.
@@ -50,6 +51,9 @@ def lossless_on_cuda() -> dict:
     import hf_eagle31  # noqa: F401
     from tiny_models import PROMPTS, trained_pair
 
+    from hf_eagle31.bench.batching import left_padded
+
+    batch = left_padded([PROMPTS[0].tolist(), PROMPTS[1, :3].tolist(), PROMPTS[2].tolist(), [7]], 0, "cuda")
     results = {}
     for arch in ("llama", "qwen2"):
         target, drafter = trained_pair(arch, True, collapse_fallback=False)
@@ -64,6 +68,11 @@ def lossless_on_cuda() -> dict:
                     out = target.generate(prompt, do_sample=False, max_new_tokens=48, assistant_model=drafter)
                     same += bool(torch.equal(out, expected))
                 results[f"{arch} {mode} {verify}"] = f"{same}/{len(PROMPTS)} identical"
+                expected = target.generate(**batch, do_sample=False, max_new_tokens=40, pad_token_id=0)
+                out = target.generate(**batch, do_sample=False, max_new_tokens=40, pad_token_id=0,
+                                      assistant_model=drafter)
+                rows = sum(torch.equal(a, b) for a, b in zip(out, expected))
+                results[f"{arch} {mode} {verify}, batch of 4"] = f"{rows}/4 rows identical"
         target.cpu().float(), drafter.cpu().float()
     return results
 
