@@ -59,6 +59,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the models run")
     add("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's dtype on CUDA), bfloat16, float16 "
         "or float32")
+    add("--drafter-dtype", default="", help="the drafters' dtype (default: the target's); drafting in bf16 beside an "
+        "fp32 target streams half the bytes, and the target's verification keeps the output exact")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
     add("--verify-cost", action="store_true", help="measure the verify-cost curve t(n)/t(1) on torch's default path "
@@ -149,7 +151,8 @@ def load_models(args):
     drafters = {}
     for name, path in drafter_folders(args):
         if path:
-            drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, target.dtype).eval()
+            drafter_dtype = getattr(torch, args.drafter_dtype) if args.drafter_dtype else target.dtype
+            drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, drafter_dtype).eval()
             prepare_drafter(target, drafter)
             drafters[name] = drafter
     assistant = load_assistant(args.assistant, target) if args.assistant else None

@@ -13,7 +13,9 @@ import statistics
 import time
 from pathlib import Path
 
-from hf_eagle31.packing import packed_weights
+import torch
+
+from hf_eagle31.packing import can_pack, packed_weights
 from hf_eagle31.tuning import draft_cost, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -75,7 +77,7 @@ def plot(out: Path, seconds: dict, title: str) -> None:
 
 
 def draft_table(drafting: dict, step: float) -> str:
-    lines = ["| drafter weights | per draft level | share of a plain step | drafter forward | top-k, tree, masks |",
+    lines = ["| drafter weights and dtype | per draft level | share of a plain step | drafter forward | top-k, tree, masks |",
              "|---|---:|---:|---:|---:|"]
     for name, split in drafting.items():
         lines.append(f"| {name} | {split['level'] * 1000:.2f} ms | {split['level'] / step:.1%} | "
@@ -88,9 +90,13 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
     layer_ids = drafter.config.target_layer_ids
     seconds = measure(target, layer_ids)
     drafting = {}
-    for name, pack in PATHS.items():
-        with packed_weights(drafter, pack):
-            drafting[name] = draft_split(drafter)
+    for dtype in dict.fromkeys([drafter.dtype, torch.bfloat16]):  # a bf16 drafter beside an fp32 target too
+        drafter.to(dtype)
+        for name, pack in PATHS.items():
+            if pack and not can_pack(drafter):
+                continue
+            with packed_weights(drafter, pack):
+                drafting[f"{name}, {str(dtype).removeprefix('torch.')} drafter"] = draft_split(drafter)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds, "draft_level_seconds": drafting},
