@@ -327,7 +327,7 @@ def install() -> None:
         if speculation.verify_mode == "batched" and self._valid_auto_compile_criteria(kwargs, config):
             speculation.compiled = self.get_compiled_call(config.compile_config)  # as plain decoding compiles
             speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
-        pack = packs_weights(drafter) and speculation.compiled is None  # inductor packs its own weights
+        pack = packs_weights(drafter)  # a compiled forward calls the packed products as opaque ops (packing.py)
         with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
             return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
 

@@ -14,7 +14,8 @@ weight at most, and plain decoding outside EAGLE runs on the target's own weight
 A weight shared with another module (an LM head tied to the embedding) stays as it is, and its
 product is taken transposed, `(W @ x^T)^T`: MKL multiplies a tall weight by a few columns at the
 memory's rate where it multiplies a few rows by it slowly (SmolLM2's head: 3 ms instead of 25 ms
-for 2 rows on the 2-core CPU).
+for 2 rows on the 2-core CPU). Under torch.compile a packed product is a custom op, which dynamo
+calls without tracing into the packed weight (an mkldnn tensor it cannot trace).
 """
 
 from __future__ import annotations
@@ -43,7 +44,24 @@ def can_pack(model: nn.Module) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+_PACKED_BY_ID: dict[int, torch.Tensor] = {}  # id(layer) -> its packed weight, for `packed_linear`
+
+
+@torch.library.custom_op("hf_eagle31::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, layer: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """A packed product as one opaque op, so that torch.compile traces around it (a packed weight is an
+    mkldnn tensor, which it cannot trace); `layer` is the layer's id."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _PACKED_BY_ID[layer], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, layer: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return packed_linear(x, id(self), self.out_features, self.bias)
     if exact_mode_active():  # a concurrent "exact" call on this target computes on the plain weight
         return F.linear(x, self.packed_weight.to_dense(), self.bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
@@ -82,6 +100,7 @@ def pack_linears(model: nn.Module) -> list[nn.Linear]:
                 module.forward = types.MethodType(_transposed_forward, module)
             else:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+                _PACKED_BY_ID[id(module)] = module.packed_weight
                 # the storage goes; a NaN of the same shape stands in: a read that bypasses forward cannot pass unnoticed
                 weight.data = torch.full((), float("nan"), dtype=weight.dtype).expand(weight.shape)
                 module.forward = types.MethodType(_packed_forward, module)
@@ -98,7 +117,7 @@ def unpack_linears(swapped: list[nn.Linear]) -> None:
     for module in swapped:
         if hasattr(module, "packed_weight"):
             module.weight.data = module.packed_weight.to_dense()
-            del module.packed_weight
+            del module.packed_weight, _PACKED_BY_ID[id(module)]
         vars(module).pop("forward", None)
 
 
