@@ -46,6 +46,7 @@ from hf_eagle31.stats import SpeculationStats
 from hf_eagle31.verification import (
     UnsupportedTargetError,
     VerifyPlan,
+    accept_or_resample,
     children_by_token,
     compact_cache,
     has_sliding_window,
@@ -205,10 +206,11 @@ def eagle_decoding(
     logits_out = [] if returns and generation_config.output_logits else None
     pad = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
 
-    def emit(row: Row, logits: torch.Tensor) -> tuple[int, bool]:
-        """Pick the row's next token from its raw logits `[V]` exactly as plain `generate` does, and record it."""
+    def emit(row: Row, logits: torch.Tensor, proposal: tuple[int, torch.Tensor] | None = None) -> tuple[int, bool]:
+        """Pick the row's next token from its raw logits `[V]` as plain `generate` does (a sampled chain's drafted
+        token is accepted against its `proposal`, which draws from the same distribution), and record it."""
         scores = row.processors(row.sequence, logits[None])
-        token = pick_token(scores, do_sample)
+        token = pick_token(scores, do_sample) if proposal is None else accept_or_resample(scores, *proposal)
         row.sequence = torch.cat([row.sequence, token.to(row.sequence.device)], dim=1)
         row.position += 1
         if scores_out is not None:
@@ -262,8 +264,8 @@ def eagle_decoding(
                     kept.append(empty)
                     continue
                 local = {node: i for i, node in enumerate(block.tolist())}
-                chunk = walk(children[b], step.next_root,
-                             lambda node, b=b, row=row, local=local: emit(row, logits[b, local[node]]), local)
+                chunk = walk(children[b], step.next_root, lambda node, b=b, row=row, local=local:
+                             emit(row, logits[b, local[node]], trees[b].proposal(node)), local)
                 keep = torch.tensor([local[node] for node in chunk.nodes], device=empty.device)
                 kept.append(keep)
                 if not chunk.stopped:
@@ -284,7 +286,8 @@ def eagle_decoding(
         speculate = monitor.should_speculate()
         roots = torch.cat([row.sequence[0, -1:] for row in rows])
         if speculate and depth > 0:
-            trees = draft_tree(state, roots, depth, speculation.top_k, min(speculation.total_tokens, room))
+            trees = draft_tree(state, roots, depth, speculation.top_k, min(speculation.total_tokens, room),
+                               float(generation_config.temperature or 1.0) if do_sample else None)
         else:
             trees = [DraftTree.root_only(root) for root in roots]
         drafted = time.perf_counter()

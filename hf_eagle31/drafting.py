@@ -111,9 +111,16 @@ class DraftTree:
     parents: torch.Tensor  # [N] index of the parent node, -1 for the root
     depths: torch.Tensor  # [N] 0 for the root
     ranks: torch.Tensor | None = None  # [N] score rank among all drafted candidates, -1 for the root
+    proposals: torch.Tensor | None = None  # [N, V] a sampled chain's: the distribution node i was drawn from
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def proposal(self, node: int) -> tuple[int, torch.Tensor] | None:
+        """The token drafted after `node` of a sampled chain and the distribution it was drawn from, else None."""
+        if self.proposals is None or node + 1 >= len(self):
+            return None
+        return int(self.tokens[node + 1]), self.proposals[node + 1]
 
     @property
     def depth(self) -> int:
@@ -134,9 +141,20 @@ class DraftTree:
         return cls(root_token.reshape(1), zero - 1, zero, zero - 1)
 
 
+def _children(log_probs: torch.Tensor, top_k: int, temperature: float | None):
+    """Each node's `top_k` best children `(log-probs, ids, None)`; with a temperature (a sampled chain) one child
+    drawn from the drafter's distribution at that temperature, and that distribution."""
+    if temperature is None:
+        return (*log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1), None)
+    q = torch.softmax(log_probs / temperature, dim=-1)
+    ids = torch.multinomial(q.reshape(-1, q.shape[-1]), 1).reshape(*q.shape[:-1], 1)
+    return log_probs.gather(-1, ids), ids, q
+
+
 @torch.no_grad()
 def draft_tree(
-    state: DrafterState, roots: torch.Tensor, depth: int, top_k: int, total_tokens: int
+    state: DrafterState, roots: torch.Tensor, depth: int, top_k: int, total_tokens: int,
+    temperature: float | None = None,
 ) -> list[DraftTree]:
     """EAGLE-2 dynamic trees, one per row: grow the `top_k` best frontier nodes for `depth` levels, keep the best
     `total_tokens`. `roots` `[B]` are the rows' last accepted tokens.
@@ -145,13 +163,18 @@ def draft_tree(
     drafter forward over every row's frontier, with a tail mask letting each frontier node see the
     accepted prefix, its own ancestors and itself. Every expanded child joins the candidate pool, so
     the final tree may hold leaves that were never expanded.
+
+    With a `temperature` and `top_k` 1 the chain is drawn from the drafter instead (speculative
+    sampling's proposal): each node keeps the distribution it was drawn from, which verification
+    accepts against (min(1, p/q) accepts more than following the argmax draft with probability p).
     """
     drafter = state.drafter
     hidden, logits = state.catch_up()
     batch, device = hidden.shape[0], hidden.device
+    temperature = temperature if top_k == 1 else None
     log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)
-    scores, draft_ids = log_probs.topk(min(top_k, log_probs.shape[-1]))  # [B, k]
-    pool_scores, pool_ids = [scores], [draft_ids]
+    scores, draft_ids, q = _children(log_probs, top_k, temperature)  # [B, k]
+    pool_scores, pool_ids, pool_q = [scores], [draft_ids], [q]
     pool_parents = [torch.full_like(draft_ids, -1)]
     frontier = torch.arange(scores.shape[1], device=device).expand(batch, -1)  # pool indices of the frontier
     frontier_hidden = hidden.expand(batch, frontier.shape[1], -1)
@@ -166,7 +189,8 @@ def draft_tree(
         out = drafter(frontier_tokens, frontier_hidden, positions, state.cache,
                       state.visible(tail_mask[0] if batch == 1 else tail_mask))
         child_log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # [B, width, V_d]
-        top_log_probs, child_ids = child_log_probs.topk(min(top_k, child_log_probs.shape[-1]), dim=-1)
+        top_log_probs, child_ids, q = _children(child_log_probs, top_k, temperature)
+        pool_q.append(q)
         child_scores = (torch.cat(pool_scores, dim=1).gather(1, frontier)[:, :, None] + top_log_probs).flatten(1)
         pool_scores.append(child_scores)
         pool_ids.append(child_ids.flatten(1))
@@ -179,7 +203,9 @@ def draft_tree(
         frontier_ancestry = torch.cat([frontier_ancestry, itself], dim=2)
         frontier_ancestry = frontier_ancestry.gather(1, parent_rows[..., None].expand(-1, -1, frontier_ancestry.shape[2]))
     pool = [torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)]
-    return [_select_tree(drafter, roots[row], *(part[row] for part in pool), total_tokens) for row in range(batch)]
+    proposals = None if temperature is None else torch.stack(pool_q, dim=1)  # [B, depth, V_d]
+    return [_select_tree(drafter, roots[row], *(part[row] for part in pool), total_tokens,
+                         None if proposals is None else proposals[row]) for row in range(batch)]
 
 
 def _select_tree(
@@ -189,6 +215,7 @@ def _select_tree(
     draft_ids: torch.Tensor,
     parents: torch.Tensor,
     total_tokens: int,
+    proposals: torch.Tensor | None = None,
 ) -> DraftTree:
     """Keep the `total_tokens` best pool nodes; ties go to the earlier node, so every parent is kept.
 
@@ -207,9 +234,13 @@ def _select_tree(
     for parent in node_parents.tolist():
         depths.append(depths[parent] + 1)
     device = root_token.device
+    if proposals is not None:  # into the target's vocabulary, a row of zeros for the root
+        proposals = drafter.expand_to_target_vocab(proposals[keep].log()).exp().to(device)
+        proposals = torch.cat([torch.zeros_like(proposals[:1]), proposals])
     return DraftTree(
         tokens=torch.cat([root_token.reshape(1), drafter.draft_to_target(draft_ids[keep]).to(device)]),
         parents=torch.cat([torch.tensor([-1], device=device), node_parents.to(device)]),
         depths=torch.tensor(depths, device=device),
         ranks=torch.cat([torch.tensor([-1], device=device), rank[keep].to(device)]),
+        proposals=proposals,
     )

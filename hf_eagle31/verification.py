@@ -60,6 +60,18 @@ def pick_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return scores.argmax(dim=-1, keepdim=True)
 
 
+def accept_or_resample(scores: torch.Tensor, token: int, proposal: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling's step `[1, 1]`: the drafted `token`, drawn from `proposal` q `[V]`, is kept with
+    probability min(1, p/q), else a token is drawn from max(p - q, 0); either way it is distributed as p, the
+    softmax of the processed `scores` `[1, V]` that plain `generate` samples from."""
+    p = torch.softmax(scores[0].float(), dim=-1)
+    q = proposal.to(p.device)
+    if float(torch.rand(())) * float(q[token]) < float(p[token]):
+        return torch.tensor([[token]], device=scores.device)
+    residual = (p - q).clamp(min=0)
+    return torch.multinomial(residual / residual.sum(), 1)[None]
+
+
 @dataclass
 class VerifyPlan:
     """How one verify forward computes attention: each row's `[n, n]` ancestor mask, the mode, the cache.
