@@ -174,7 +174,7 @@ def draft_tree(
     temperature = temperature if top_k == 1 else None
     log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)
     scores, draft_ids, q = _children(log_probs, top_k, temperature)  # [B, k]
-    pool_scores, pool_ids, pool_q = [scores], [draft_ids], [q]
+    pool_scores, pool_ids, pool_q = [scores], [draft_ids], [None if q is None else q[:, None]]
     pool_parents = [torch.full_like(draft_ids, -1)]
     frontier = torch.arange(scores.shape[1], device=device).expand(batch, -1)  # pool indices of the frontier
     frontier_hidden = hidden.expand(batch, frontier.shape[1], -1)
@@ -203,7 +203,7 @@ def draft_tree(
         frontier_ancestry = torch.cat([frontier_ancestry, itself], dim=2)
         frontier_ancestry = frontier_ancestry.gather(1, parent_rows[..., None].expand(-1, -1, frontier_ancestry.shape[2]))
     pool = [torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)]
-    proposals = None if temperature is None else torch.stack(pool_q, dim=1)  # [B, depth, V_d]
+    proposals = None if temperature is None else torch.cat(pool_q, dim=1)  # [B, depth, V_d]
     return [_select_tree(drafter, roots[row], *(part[row] for part in pool), total_tokens,
                          None if proposals is None else proposals[row]) for row in range(batch)]
 

@@ -94,6 +94,27 @@ def test_a_tree_of_top_k_1_is_the_greedy_chain_drafted_step_by_step():
         path.append(int(expected))
 
 
+def test_a_sampled_chain_keeps_the_distribution_each_draft_was_drawn_from():
+    """With a temperature a chain is drawn from the drafter (speculative sampling's proposal q), and each node
+    keeps q in the target's vocabulary, which verification accepts against."""
+    target = make_target("qwen2")
+    drafter = make_drafter(target, eagle31=True)
+    features, tokens, root = context(target, drafter, PROMPTS[1:2])
+    state = DrafterState(drafter)
+    state.push(features, tokens)
+    torch.manual_seed(0)
+    (chain,) = draft_tree(state, root[0], depth=4, top_k=1, total_tokens=4, temperature=0.7)
+    assert chain.parents.tolist() == [-1, 0, 1, 2, 3] and chain.proposal(4) is None
+    path = []
+    for step in range(4):
+        log_q = torch.log_softmax(path_log_probs(drafter, features, tokens, path) / 0.7, -1)
+        q = drafter.expand_to_target_vocab(log_q).exp()
+        token, proposal = chain.proposal(step)
+        assert token == int(chain.tokens[step + 1]) and q[token] > 0
+        torch.testing.assert_close(proposal, q, atol=1e-5, rtol=1e-4)
+        path.append(token)
+
+
 def test_drafter_state_drops_draft_entries_and_keeps_real_ones():
     target = make_target("llama")
     drafter = make_drafter(target)
