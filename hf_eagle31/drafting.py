@@ -234,8 +234,8 @@ def _select_tree(
     for parent in node_parents.tolist():
         depths.append(depths[parent] + 1)
     device = root_token.device
-    if proposals is not None:  # into the target's vocabulary, a row of zeros for the root
-        proposals = drafter.expand_to_target_vocab(proposals[keep].log()).exp().to(device)
+    if proposals is not None:  # the very q each token was drawn from, in the target's vocabulary; zeros for the root
+        proposals = drafter.expand_to_target_vocab(proposals[keep], fill=0.0).to(device)
         proposals = torch.cat([torch.zeros_like(proposals[:1]), proposals])
     return DraftTree(
         tokens=torch.cat([root_token.reshape(1), drafter.draft_to_target(draft_ids[keep]).to(device)]),

@@ -225,9 +225,10 @@ class Eagle3DraftModel(PreTrainedModel):
         """Map draft-vocabulary ids to target ids (`target = draft + d2t[draft]`)."""
         return draft_ids + self.d2t[draft_ids]
 
-    def expand_to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Scatter draft-vocabulary logits into a full target-vocabulary tensor, -inf outside the draft vocab."""
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+    def expand_to_target_vocab(self, draft_logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        """Scatter draft-vocabulary logits (or, with `fill=0`, probabilities) into a full target-vocabulary
+        tensor, `fill` outside the draft vocab."""
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), fill)
         index = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=draft_logits.device))
         return full.index_copy_(-1, index, draft_logits)
 

@@ -149,9 +149,9 @@ def load_models(args):
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     drafters = {}
+    drafter_dtype = getattr(torch, args.drafter_dtype) if args.drafter_dtype else target.dtype
     for name, path in drafter_folders(args):
         if path:
-            drafter_dtype = getattr(torch, args.drafter_dtype) if args.drafter_dtype else target.dtype
             drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, drafter_dtype).eval()
             prepare_drafter(target, drafter)
             drafters[name] = drafter
