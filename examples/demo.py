@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import hf_eagle31  # noqa: E402,F401  (routes generate(assistant_model=<EAGLE drafter>))
-from hf_eagle31 import Eagle3DraftModel  # noqa: E402
+from hf_eagle31 import Eagle3DraftModel, drafting_dtype  # noqa: E402
 from hf_eagle31.packaged import load_packaged_model  # noqa: E402
 
 DRAFTER = Path(__file__).parent / "smollm2" / "eagle31"
@@ -35,12 +35,12 @@ def main() -> int:
     torch.manual_seed(0)
     # float32: greedy output is compared token for token with the target alone
     target, tokenizer = load_packaged_model("smollm2-135m-instruct")
-    drafter = Eagle3DraftModel.from_pretrained(DRAFTER).to(target.dtype).eval()
+    drafter = Eagle3DraftModel.from_pretrained(DRAFTER).to(drafting_dtype(target)).eval()  # bf16 where it is fast
     settings = drafter.generation_config
     shape = (f"chain of {settings.num_assistant_tokens} tokens" if settings.speculation_mode == "chain" else
              f"tree of {settings.tree_total_tokens} tokens (top-k {settings.tree_top_k}, depth {settings.tree_depth})")
     print(f"target: SmolLM2-135M-Instruct, {target.num_parameters() / 1e6:.0f}M parameters, {target.dtype}; "
-          f"drafter: EAGLE 3.1, {drafter.num_parameters() / 1e6:.1f}M parameters, {shape}; "
+          f"drafter: EAGLE 3.1, {drafter.num_parameters() / 1e6:.1f}M parameters, {drafter.dtype}, {shape}; "
           f"{torch.get_num_threads()} CPU threads\n")
     encode = lambda text: tokenizer.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]

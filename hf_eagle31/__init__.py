@@ -8,7 +8,7 @@ EAGLE heads saved by other projects (`modeling.route_auto_classes`), and routes
 from transformers import AutoConfig, AutoModel
 
 from hf_eagle31.configuration import Eagle3Config
-from hf_eagle31.generation import install
+from hf_eagle31.generation import drafting_dtype, install
 from hf_eagle31.modeling import Eagle3DraftModel, route_auto_classes
 from hf_eagle31.stats import SpeculationStats
 
@@ -18,4 +18,4 @@ route_auto_classes()
 install()
 
 __version__ = "0.1.0"
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats"]
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats", "drafting_dtype"]

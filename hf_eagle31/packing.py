@@ -34,6 +34,13 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size
 
 
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 products run at full speed on `device`: CUDA, or a CPU where oneDNN computes bf16 (AVX-512)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(model: nn.Module) -> bool:
     """Whether the model's weights can be packed here: a CPU model in fp32 or bf16 (where oneDNN runs bf16)."""
     weight = next(model.parameters(), None)
@@ -41,7 +48,7 @@ def can_pack(model: nn.Module) -> bool:
         return False
     if getattr(model, "is_quantized", False) or not torch.backends.mkldnn.is_available():
         return False
-    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype != torch.bfloat16 or fast_bf16(weight.device)
 
 
 _PACKED_BY_ID: dict[int, torch.Tensor] = {}  # id(layer) -> its packed weight, for `packed_linear`

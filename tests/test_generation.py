@@ -42,6 +42,26 @@ def test_greedy_equals_plain_generate(arch, eagle31, mode):
     assert deepest >= 2, "the sweep never accepted a multi-token path: it tested nothing"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bf16_drafter_beside_an_fp32_target_changes_nothing_in_the_output(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, collapse_fallback=False)
+    drafter = copy.deepcopy(drafter).to(torch.bfloat16)
+    accepted = 0
+    for prompt in prompt_variants():
+        expected = plain(target, prompt, max_new_tokens=32)
+        out = target.generate(prompt, do_sample=False, max_new_tokens=32, assistant_model=drafter)
+        assert torch.equal(out, expected), prompt.tolist()
+        accepted += sum(drafter.speculation_stats.accepted)
+    assert accepted > 0, "the bf16 drafter never had a draft accepted: it tested nothing"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_drafting_dtype_is_bf16_only_where_the_device_computes_it_fast(monkeypatch, fast):
+    monkeypatch.setattr(hf_eagle31.generation, "fast_bf16", lambda device: fast)
+    target = make_target("llama")
+    assert hf_eagle31.drafting_dtype(target) == (torch.bfloat16 if fast else torch.float32)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("mode", MODES)
 def test_exact_verification_equals_plain_generate_bit_for_bit_in_bf16(arch, mode):

@@ -13,12 +13,13 @@ import torch
 from shared import question_ids, run_arguments, write_report
 from transformers import AutoModelForCausalLM
 
-from hf_eagle31 import Eagle3DraftModel
+from hf_eagle31 import Eagle3DraftModel, drafting_dtype
 
 
 def main() -> None:
     parser = run_arguments(__doc__, "a drafter folder (any layout)", "num_assistant_tokens")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--drafter-dtype", default="", help="default: bf16 where the CPU computes it (drafting_dtype)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -27,7 +28,8 @@ def main() -> None:
     if args.drafter:
         drafter = Eagle3DraftModel.from_pretrained(
             args.drafter, speculation_mode="chain", num_assistant_tokens=args.tokens, dynamic_speculation=False,
-            collapse_fallback=False).to(torch.float32).eval()
+            collapse_fallback=False)
+        drafter = drafter.to(getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)).eval()
     prompts = question_ids(args.target, args.questions)
     greedy = {"do_sample": False, "assistant_model": drafter} if drafter else {"do_sample": False}
     target.generate(torch.tensor([prompts[0]]), max_new_tokens=16, **greedy)  # warm-up, not counted
@@ -43,7 +45,7 @@ def main() -> None:
             row |= {"drafts": stats.speculative_forwards, "accepted": stats.speculative_tokens - stats.speculative_forwards,
                     "per_position": list(stats.accepted) + [0] * (args.tokens - len(stats.accepted))}
         rows.append(row)
-    write_report("hf_eagle31", args, rows)
+    write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the models run")
     add("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's dtype on CUDA), bfloat16, float16 "
         "or float32")
-    add("--drafter-dtype", default="", help="the drafters' dtype (default: the target's); drafting in bf16 beside an "
-        "fp32 target streams half the bytes, and the target's verification keeps the output exact")
+    add("--drafter-dtype", default="", help="the drafters' dtype (default: bf16 where the device computes it at full "
+        "speed, else the target's); drafting in bf16 beside an fp32 target streams half the bytes, and the target's "
+        "verification keeps the output exact")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
     add("--verify-cost", action="store_true", help="measure the verify-cost curve t(n)/t(1) on torch's default path "
@@ -137,7 +138,7 @@ def drafter_folders(args) -> tuple[tuple[str, str | None], ...]:
 def load_models(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_eagle31.generation import prepare_drafter
+    from hf_eagle31.generation import drafting_dtype, prepare_drafter
     from hf_eagle31.modeling import Eagle3DraftModel
     from hf_eagle31.packaged import resolve_model
 
@@ -149,7 +150,7 @@ def load_models(args):
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     drafters = {}
-    drafter_dtype = getattr(torch, args.drafter_dtype) if args.drafter_dtype else target.dtype
+    drafter_dtype = getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)
     for name, path in drafter_folders(args):
         if path:
             drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, drafter_dtype).eval()

@@ -90,7 +90,7 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
     layer_ids = drafter.config.target_layer_ids
     seconds = measure(target, layer_ids)
     drafting = {}
-    for dtype in dict.fromkeys([drafter.dtype, torch.bfloat16]):  # a bf16 drafter beside an fp32 target too
+    for dtype in dict.fromkeys([target.dtype, torch.bfloat16]):  # a bf16 drafter beside an fp32 target too
         drafter.to(dtype)
         for name, pack in PATHS.items():
             if pack and not can_pack(drafter):
