@@ -9,7 +9,8 @@ optimizer step on it. Same data, order, steps, seed and schedule: only the two 3
 the two drafters have equal budgets at every point of the curve. Both start from the shipped drafters.
 Every `--snapshot-every` steps both drafters are saved as a snapshot; `curve` evaluates the snapshots not
 yet measured, teacher-forced on the 48 held-out answers the target wrote (`train.py evaluate`'s measure:
-greedy tau of an 8-token chain), each a row of `campaign/curve.csv`. Evaluating runs apart from training
+greedy tau of an 8-token chain) and live (greedy `generate` with a fixed chain of 8 on 8 held-out questions,
+128 new tokens each), each a row of `campaign/curve.csv`. Evaluating runs apart from training
 (about 12 CPU-minutes a snapshot), when the CPU is free, so training never waits for it.
 The conversations are those of distill.py's training split that neither earlier round used: the first
 1,920 were self-distilled (distilled/), 7,680-9,215 given in round 2.
@@ -46,7 +47,8 @@ CONFIG = TrainingConfig(ttt_steps=4, steps=1, loss_decay=0.8)  # what training_s
 BATCH, LR, WARMUP, SEED = 2, 3e-4, 100, 0
 CURVE = HERE / "campaign" / "curve.csv"
 COLUMNS = ["step", "sequences", "answer_tokens", "total_answer_tokens", "cpu_hours",
-           "eagle3_tau", "eagle31_tau", "eagle3_acc1", "eagle31_acc1"]
+           "eagle3_tau", "eagle31_tau", "eagle3_acc1", "eagle31_acc1", "eagle3_live_tau", "eagle31_live_tau"]
+LIVE_QUESTIONS, LIVE_TOKENS, LIVE_CHAIN = 8, 128, 8  # live tau: generate on held-out questions, a fixed chain
 
 
 def data(work: Path) -> None:
@@ -127,27 +129,51 @@ def snapshot(folder: Path, drafters: dict, step: int, tokens: int, cpu: float) -
 
 
 def curve(work: Path) -> None:
-    """Evaluate the shipped drafters (step 0) and every snapshot not yet in curve.csv; then the plot."""
-    done = {int(row["step"]) for row in csv.DictReader(CURVE.open())} if CURVE.exists() else set()
+    """Evaluate the shipped drafters (step 0) and every snapshot not yet in curve.csv (or lacking a column); then
+    the plot."""
+    rows = {int(row["step"]): row for row in csv.DictReader(CURVE.open())} if CURVE.exists() else {}
+    done = {step for step, row in rows.items() if all(row.get(c) for c in COLUMNS)}
     points = [(0, None, {"step": 0, "sequences": 0, "answer_tokens": 0, "cpu_hours": 0.0})]
     points += [(int(json.loads((f / "point.json").read_text())["step"]), f, json.loads((f / "point.json").read_text()))
                for f in sorted((work / "snapshots").glob("step_*")) if (f / "point.json").exists()]
     todo = [(folder, point) for step, folder, point in points if step not in done]
     if todo:
-        target, _ = load_packaged_model(TARGET)
+        target, tokenizer = load_packaged_model(TARGET)
         held_out = load_sequences(HERE / "heldout_answers.jsonl")
+        questions = [json.loads(line)["turns"][0] for line in
+                     (HERE / "heldout_conversations.jsonl").read_text().splitlines()[:LIVE_QUESTIONS]]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
     for folder, point in todo:
-        row = dict(point, total_answer_tokens=EARLIER_TOKENS + point["answer_tokens"])
-        for name in DRAFTERS:
+        row = rows.get(point["step"]) or dict(point, total_answer_tokens=EARLIER_TOKENS + point["answer_tokens"])
+        for name in DRAFTERS:  # the columns the row lacks
             drafter = Eagle3DraftModel.from_pretrained((folder or HERE) / name, dtype=torch.float32)
-            report = evaluate_acceptance(drafter, target, held_out, depth=8)
-            row |= {f"{name}_tau": round(1 + report.greedy_length, 3), f"{name}_acc1": round(report.acceptance[0], 3)}
+            if not row.get(f"{name}_tau"):
+                report = evaluate_acceptance(drafter, target, held_out, depth=8)
+                row |= {f"{name}_tau": round(1 + report.greedy_length, 3),
+                        f"{name}_acc1": round(report.acceptance[0], 3)}
+            if not row.get(f"{name}_live_tau"):
+                row[f"{name}_live_tau"] = round(live_tau(target, drafter, prompts), 3)
         write_curve_row(row)
     plot_curve()
 
 
+def live_tau(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) -> float:
+    """Tokens per target forward of greedy `generate` with a fixed chain: decoding as users run it, where the
+    teacher-forced measure scores the drafter on the target's own answers."""
+    drafter.generation_config.update(speculation_mode="chain", num_assistant_tokens=LIVE_CHAIN,
+                                     dynamic_speculation=False, collapse_fallback=False)
+    tokens = forwards = 0
+    for ids in prompts:
+        target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=LIVE_TOKENS,
+                        assistant_model=drafter)
+        tokens += drafter.speculation_stats.speculative_tokens
+        forwards += drafter.speculation_stats.speculative_forwards
+    return tokens / forwards
+
+
 def write_curve_row(row: dict) -> None:
-    rows = list(csv.DictReader(CURVE.open())) if CURVE.exists() else []
+    rows = [r for r in csv.DictReader(CURVE.open()) if int(r["step"]) != int(row["step"])] if CURVE.exists() else []
     rows = sorted(rows + [row], key=lambda r: int(r["step"]))
     CURVE.parent.mkdir(exist_ok=True)
     with CURVE.open("w", newline="") as f:
@@ -166,10 +192,13 @@ def plot_curve() -> None:
     rows = list(csv.DictReader(CURVE.open()))
     tokens = [int(r["total_answer_tokens"]) / 1e6 for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, label in (("eagle3", "EAGLE-3"), ("eagle31", "EAGLE 3.1")):
-        ax.plot(tokens, [float(r[f"{name}_tau"]) for r in rows], marker="o", label=label)
+    for (name, label), color in zip((("eagle3", "EAGLE-3"), ("eagle31", "EAGLE 3.1")), ("tab:blue", "tab:orange")):
+        ax.plot(tokens, [float(r[f"{name}_tau"]) for r in rows], marker="o", color=color,
+                label=f"{label}, teacher-forced")
+        ax.plot(tokens, [float(r[f"{name}_live_tau"]) for r in rows], marker="s", linestyle="--", color=color,
+                label=f"{label}, live (generate)")
     ax.set_xlabel("answer tokens seen (millions, shipped drafters' 3.12M included)")
-    ax.set_ylabel("held-out tau (teacher-forced, chain of 8)")
+    ax.set_ylabel("held-out tau (chain of 8)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(CURVE.with_suffix(".png"), dpi=120)
