@@ -119,14 +119,14 @@ def held_out_prompts(tokenizer, start: int, count: int) -> list[torch.Tensor]:
 
 def tune(prompts: int) -> int:
     """Tune the shipped drafter's shapes here, on held-out turns `evaluate` does not use; a quiet machine's job."""
-    from hf_eagle31.generation import prepare_drafter
+    from hf_eagle31.generation import drafting_dtype, prepare_drafter
     from hf_eagle31.modeling import Eagle3DraftModel
     from hf_eagle31.packaged import load_packaged_model
     from hf_eagle31.tuning import tune_drafter
 
     target, tokenizer = load_packaged_model("gemma-3-270m")
     folder = HERE / "eagle31"
-    drafter = Eagle3DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    drafter = Eagle3DraftModel.from_pretrained(folder, dtype=drafting_dtype(target)).eval()  # as decoding runs it
     prepare_drafter(target, drafter)
     report = tune_drafter(target, drafter, held_out_prompts(tokenizer, prompts, prompts))
     drafter.generation_config.save_pretrained(folder)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from hf_eagle31.generation import drafting_dtype
 from hf_eagle31.model_cards.card import write_model_card
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
@@ -211,7 +212,7 @@ def tune(target, tokenizer, names: list[str]) -> None:
     """Re-tune the shipped drafters' shapes on this machine, in place (generation_config.json, tuning.json):
     the costs are timings, so run it on a quiet machine."""
     for name in names:
-        drafter = Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32)
+        drafter = Eagle3DraftModel.from_pretrained(HERE / name, dtype=drafting_dtype(target))  # as decoding runs it
         drafter.set_target_embedding(target.get_input_embeddings())
         report = tune_drafter(target, drafter, calibration_prompts(tokenizer))
         drafter.generation_config.save_pretrained(HERE / name)
@@ -224,7 +225,7 @@ def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
     `runs` names the training runs in `work` to ship as EAGLE-3 and EAGLE 3.1, in that order."""
     calibration = calibration_prompts(tokenizer)
     for name, run in zip(ARCHITECTURES.values(), runs, strict=True):
-        drafter = Eagle3DraftModel.from_pretrained(work / run)
+        drafter = Eagle3DraftModel.from_pretrained(work / run, dtype=drafting_dtype(target))
         drafter.set_target_embedding(target.get_input_embeddings())
         report = tune_drafter(target, drafter, calibration)
         drafter.to(torch.bfloat16).save_pretrained(HERE / name)
