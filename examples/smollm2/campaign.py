@@ -1,19 +1,23 @@
 """The real pair's training campaign: both drafters continued in lockstep over the rest of ShareGPT (resumable).
 
     python examples/smollm2/campaign.py data                 # ShareGPT's own answers, every turn, chunked (~1 min)
-    python examples/smollm2/campaign.py train --hours 2      # train until then, checkpointing; rerun to go on
-    python examples/smollm2/campaign.py curve                # evaluate new snapshots: the learning curve, table and plot
+    python examples/smollm2/campaign.py distill &            # the target's own answers, one thread; stop and rerun at will
+    python examples/smollm2/campaign.py train --run round2 --hours 2   # train until then, checkpointing; rerun to go on
+    python examples/smollm2/campaign.py curve --run round2   # evaluate new snapshots: the learning curve, table and plot
 
 Lockstep: the target computes the features of a batch once, and EAGLE-3 and EAGLE 3.1 each take one
 optimizer step on it. Same data, order, steps, seed and schedule: only the two 3.1 switches differ, so
-the two drafters have equal budgets at every point of the curve. Both start from the shipped drafters.
+the two drafters have equal budgets at every point of the curve. Every run starts from the shipped drafters.
+Runs (`RUNS`): round 1 trained on ShareGPT's own answers at a peak rate of 3e-4 and stayed flat; round 2
+trains at 1e-4 and takes half its steps from the target's own answers (self-distilled by `distill`, which
+runs beside it on the other core: when it falls behind, the step takes ShareGPT's answers instead).
 Every `--snapshot-every` steps both drafters are saved as a snapshot; `curve` evaluates the snapshots not
 yet measured, teacher-forced on the 48 held-out answers the target wrote (`train.py evaluate`'s measure:
 greedy tau of an 8-token chain) and live (greedy `generate` with a fixed chain of 8 on 8 held-out questions,
 128 new tokens each), each a row of `campaign/curve.csv`. Evaluating runs apart from training
 (about 12 CPU-minutes a snapshot), when the CPU is free, so training never waits for it.
 The conversations are those of distill.py's training split that neither earlier round used: the first
-1,920 were self-distilled (distilled/), 7,680-9,215 given in round 2.
+1,920 were self-distilled (distilled/), 7,680-9,215 given in round 2 of the shipped drafters' training.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import csv
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,8 +35,8 @@ import torch
 from distill import PROMPTS, conversations
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
-from hf_eagle31.training.data import EpochShuffle, collate, fit_length, load_sequences
-from hf_eagle31.training.distill import DistillSettings, distill_to_folder, load_distilled
+from hf_eagle31.training.data import EpochShuffle, TrainingSequence, collate, fit_length, load_sequences
+from hf_eagle31.training.distill import DistillSettings, distill_to_folder
 from hf_eagle31.training.evaluation import evaluate_acceptance
 from hf_eagle31.training.teacher import target_states
 from hf_eagle31.training.trainer import TrainingConfig, lr_factor, training_step
@@ -43,54 +48,128 @@ DRAFTERS = ("eagle3", "eagle31")  # shipped folders, trained side by side
 USED = [(0, 1920), (7680, 9216)]  # conversations of the training split earlier rounds trained on
 EARLIER_TOKENS = 5 * 452_849 + 854_394  # answer tokens each shipped drafter saw before the campaign (README)
 SETTINGS = DistillSettings(max_length=1024, max_new_tokens=256, max_turns=None, batch_size=32)
+SELF_SETTINGS = DistillSettings(max_length=1024, max_new_tokens=256, max_turns=2, batch_size=32)  # as distilled/
+GIVEN_CHUNK, SELF_CHUNK = 256, 128  # conversations a chunk
+SPLIT = 8192  # fresh conversations past this one are left to self-distillation (round 2 trains on given ones below)
 CONFIG = TrainingConfig(ttt_steps=4, steps=1, loss_decay=0.8)  # what training_step reads
-BATCH, LR, WARMUP, SEED = 2, 3e-4, 100, 0
+BATCH, WARMUP, SEED = 2, 100, 0
 CURVE = HERE / "campaign" / "curve.csv"
-COLUMNS = ["step", "sequences", "answer_tokens", "total_answer_tokens", "cpu_hours",
+COLUMNS = ["run", "step", "sequences", "answer_tokens", "self_distilled_tokens", "total_answer_tokens", "cpu_hours",
            "eagle3_tau", "eagle31_tau", "eagle3_acc1", "eagle31_acc1", "eagle3_live_tau", "eagle31_live_tau"]
 LIVE_QUESTIONS, LIVE_TOKENS, LIVE_CHAIN = 8, 128, 8  # live tau: generate on held-out questions, a fixed chain
 
 
-def data(work: Path) -> None:
-    """ShareGPT's own answers to every conversation no earlier round used, all turns that fit 1,024 tokens."""
+@dataclass(frozen=True)
+class Run:
+    lr: float  # peak learning rate
+    self_distilled: float  # share of steps on the target's own answers (as far as the distiller has written them)
+    given_conversations: int | None  # the fresh conversations whose ShareGPT answers the run trains on (None: all)
+
+
+RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT)}
+
+
+def fresh_conversations() -> list:
+    """The training split's conversations that no earlier round used, in a fixed order."""
     train, _, _ = conversations(PROMPTS, 200, 1500)
     taken = {i for start, end in USED for i in range(start, end)}
-    fresh = [c for i, c in enumerate(train) if i not in taken]
+    return [c for i, c in enumerate(train) if i not in taken]
+
+
+def data(folder: Path) -> None:
+    """ShareGPT's own answers to every fresh conversation, all turns that fit 1,024 tokens."""
     target, tokenizer = load_packaged_model(TARGET)
-    _, report = distill_to_folder(target, tokenizer, fresh, work / "data", SETTINGS, chunk_size=256, answers="given")
+    _, report = distill_to_folder(target, tokenizer, fresh_conversations(), folder / "data", SETTINGS,
+                                  chunk_size=GIVEN_CHUNK, answers="given")
     print(json.dumps(report.__dict__))
 
 
-def train(work: Path, hours: float, snapshot_every: int, save_every: int) -> None:
+def distill(folder: Path) -> None:
+    """The target's own greedy answers (first two turns, as in distilled/) to the fresh conversations past SPLIT,
+    at one thread beside training, a chunk at a time with its CPU time (`cpu.jsonl`: the chunk log's seconds are
+    wall time, which counts the pauses for quiet measurements). Chunks are written whole: stop at will, rerun."""
     torch.set_num_threads(1)
+    target, tokenizer = load_packaged_model(TARGET)
+    pool, out = fresh_conversations()[SPLIT:], folder / "selfdistilled"
+    while True:
+        chunks, started = sorted(out.glob("chunk_*.jsonl")), time.process_time()
+        done = sum(sum(s.loss_mask) for path in chunks for s in load_sequences(path))  # distill_to_folder's count
+        distill_to_folder(target, tokenizer, pool, out, SELF_SETTINGS, token_budget=done + 1, chunk_size=SELF_CHUNK)
+        if len(list(out.glob("chunk_*.jsonl"))) == len(chunks):  # the budget stops it after one more chunk
+            return
+        with (out / "cpu.jsonl").open("a") as log:
+            log.write(json.dumps({"chunk": len(chunks), "cpu_seconds": time.process_time() - started}) + "\n")
+
+
+def given_batches(folder: Path, run: Run) -> list[list[TrainingSequence]]:
+    chunks = sorted((folder / "data").glob("chunk_*.jsonl"))
+    if run.given_conversations is not None:
+        chunks = chunks[: run.given_conversations // GIVEN_CHUNK]
+    sequences = fit_length([s for path in chunks for s in load_sequences(path)], SETTINGS.max_length)
+    order = list(EpochShuffle(len(sequences), SEED, [len(s.input_ids) for s in sequences], BATCH))
+    return [[sequences[i] for i in order[k : k + BATCH]] for k in range(0, len(order), BATCH)]
+
+
+class SelfDistilled:
+    """The distiller's chunks as an append-only stream of batches: each chunk shuffled on its own, so the batches
+    already trained on keep their places when the distiller adds chunks (what resuming relies on)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.chunks, self.batches = folder, 0, []
+
+    def __getitem__(self, index: int) -> list[TrainingSequence] | None:
+        if index >= len(self.batches):
+            paths = sorted(self.folder.glob("chunk_*.jsonl"))
+            for number, path in enumerate(paths[self.chunks :], self.chunks):
+                sequences = fit_length(load_sequences(path), SELF_SETTINGS.max_length)
+                order = list(EpochShuffle(len(sequences), SEED + number, [len(s.input_ids) for s in sequences], BATCH))
+                self.batches += [[sequences[i] for i in order[k : k + BATCH]] for k in range(0, len(order), BATCH)]
+            self.chunks = len(paths)
+        return self.batches[index] if index < len(self.batches) else None
+
+    def seconds_per_token(self) -> float:
+        """What the distiller spent per answer token, in CPU time (it counts against the run's budget)."""
+        read = lambda name: [json.loads(line) for line in (self.folder / name).read_text().splitlines()]  # noqa: E731
+        timed = {e["chunk"]: e["cpu_seconds"] for e in read("cpu.jsonl")} if (self.folder / "cpu.jsonl").exists() else {}
+        tokens = sum(e["answer_tokens"] for e in read("chunks.log") if e["chunk"] in timed) if timed else 0
+        return sum(timed.values()) / max(1, tokens)
+
+
+def train(folder: Path, run_name: str, hours: float, snapshot_every: int, save_every: int) -> None:
+    torch.set_num_threads(1)
+    run, work = RUNS[run_name], folder / run_name
     target, _ = load_packaged_model(TARGET)
     target.requires_grad_(False).eval()
-    sequences = fit_length(load_distilled(work / "data")[0], SETTINGS.max_length)
-    order = list(EpochShuffle(len(sequences), SEED, [len(s.input_ids) for s in sequences], BATCH))
-    batches = [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
+    given, own = given_batches(folder, run), SelfDistilled(folder / "selfdistilled")
+    total = int(len(given) / (1 - run.self_distilled))  # the schedule's length: every given batch once
     drafters = {name: Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32) for name in DRAFTERS}
     for drafter in drafters.values():
         drafter.set_target_embedding(target.get_input_embeddings())
     models = {name: Unrolled(d).train() for name, d in drafters.items()}
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
                   for name, m in models.items()}
-    schedule = {name: torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, WARMUP, len(batches)))
+    schedule = {name: torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, WARMUP, total))
                 for name, o in optimizers.items()}
     state_path = work / "state.pt"
-    step, tokens, cpu = 0, 0, 0.0
+    counts = {"step": 0, "given": 0, "own": 0, "tokens": 0, "own_tokens": 0, "cpu_seconds": 0.0}
     if state_path.exists():
         saved = torch.load(state_path, weights_only=False)
         for name in DRAFTERS:
             drafters[name].load_state_dict(saved[name]["model"])
             optimizers[name].load_state_dict(saved[name]["optimizer"])
             schedule[name].load_state_dict(saved[name]["scheduler"])
-        step, tokens, cpu = saved["step"], saved["tokens"], saved["cpu_seconds"]
+        counts |= {"given": saved["step"]} | {k: saved[k] for k in counts if k in saved}  # round 1: given only
+    work.mkdir(parents=True, exist_ok=True)
     log = (work / "train_log.csv").open("a")
     stop = time.time() + hours * 3600
-    print(f"campaign: step {step} of {len(batches)} ({len(sequences)} sequences), until {time.ctime(stop)}", flush=True)
-    while step < len(batches) and time.time() < stop:
+    print(f"campaign {run_name}: step {counts['step']} of {total}, until {time.ctime(stop)}", flush=True)
+    while counts["step"] < total and counts["given"] < len(given) and time.time() < stop:
         started = time.process_time()
-        batch = collate([sequences[i].as_tensors() for i in batches[step]])
+        step = counts["step"]
+        sequences = own[counts["own"]] if counts["own"] < run.self_distilled * (step + 1) else None
+        kind = "given" if sequences is None else "own"
+        sequences = sequences or given[counts["given"]]
+        batch = collate([s.as_tensors() for s in sequences])
         batch["features"], batch["last_hidden"] = target_states(target, batch["input_ids"], batch["attention_mask"],
                                                                 drafters["eagle3"].config.target_layer_ids)
         row = [step + 1]
@@ -100,43 +179,51 @@ def train(work: Path, hours: float, snapshot_every: int, save_every: int) -> Non
             torch.nn.utils.clip_grad_norm_(models[name].parameters(), 1.0)
             optimizers[name].step(), optimizers[name].zero_grad(), schedule[name].step()
             row += [f"{loss.item():.4f}", f"{stats['acc_0']:.3f}"]
-        tokens += int((batch["loss_mask"] * batch["attention_mask"]).sum())
-        cpu += time.process_time() - started
-        step += 1
-        log.write(",".join(map(str, row)) + "\n"), log.flush()
+        answer_tokens = int((batch["loss_mask"] * batch["attention_mask"]).sum())
+        counts[kind] += 1
+        counts["tokens"] += answer_tokens
+        counts["own_tokens"] += answer_tokens if kind == "own" else 0
+        counts["cpu_seconds"] += time.process_time() - started
+        counts["step"] = step = step + 1
+        log.write(",".join(map(str, row + [kind])) + "\n"), log.flush()
         if step % 10 == 0:
-            print(f"step {step}/{len(batches)} answer tokens {tokens} cpu {cpu / 3600:.2f} h "
-                  f"eagle3 loss/acc0 {row[1:3]} eagle31 {row[3:]}", flush=True)
-        if step % save_every == 0 or step % snapshot_every == 0 or step == len(batches):
-            save(state_path, drafters, optimizers, schedule, step, tokens, cpu)
-        if step % snapshot_every == 0 or step == len(batches):
-            snapshot(work / "snapshots" / f"step_{step:06d}", drafters, step, tokens, cpu)
-    save(state_path, drafters, optimizers, schedule, step, tokens, cpu)
+            print(f"step {step}/{total} answer tokens {counts['tokens']} (own {counts['own_tokens']}) cpu "
+                  f"{counts['cpu_seconds'] / 3600:.2f} h eagle3 loss/acc0 {row[1:3]} eagle31 {row[3:5]}", flush=True)
+        if step % save_every == 0 or step % snapshot_every == 0:
+            save(state_path, drafters, optimizers, schedule, counts)
+        if step % snapshot_every == 0:
+            snapshot(work / "snapshots" / f"step_{step:06d}", drafters, counts, own.seconds_per_token())
+    save(state_path, drafters, optimizers, schedule, counts)
 
 
-def save(path: Path, drafters, optimizers, schedule, step: int, tokens: int, cpu: float) -> None:
+def save(path: Path, drafters, optimizers, schedule, counts: dict) -> None:
     state = {name: {"model": drafters[name].state_dict(), "optimizer": optimizers[name].state_dict(),
                     "scheduler": schedule[name].state_dict()} for name in DRAFTERS}
-    torch.save(state | {"step": step, "tokens": tokens, "cpu_seconds": cpu}, path.with_suffix(".tmp"))
+    torch.save(state | counts, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)  # a checkpoint exists whole or not at all
 
 
-def snapshot(folder: Path, drafters: dict, step: int, tokens: int, cpu: float) -> None:
+def snapshot(folder: Path, drafters: dict, counts: dict, distill_seconds_per_token: float) -> None:
+    """Both drafters and the budget spent: training's CPU time plus the distiller's for the own answers used."""
     for name, drafter in drafters.items():
         drafter.save_pretrained(folder / name)
-    (folder / "point.json").write_text(json.dumps({"step": step, "sequences": step * BATCH, "answer_tokens": tokens,
-                                                   "cpu_hours": round(cpu / 3600, 2)}))
+    cpu = counts["cpu_seconds"] + counts["own_tokens"] * distill_seconds_per_token
+    (folder / "point.json").write_text(json.dumps({
+        "step": counts["step"], "sequences": counts["step"] * BATCH, "answer_tokens": counts["tokens"],
+        "self_distilled_tokens": counts["own_tokens"], "cpu_hours": round(cpu / 3600, 2)}))
 
 
-def curve(work: Path) -> None:
-    """Evaluate the shipped drafters (step 0) and every snapshot not yet in curve.csv (or lacking a column); then
-    the plot."""
-    rows = {int(row["step"]): row for row in csv.DictReader(CURVE.open())} if CURVE.exists() else {}
-    done = {step for step, row in rows.items() if all(row.get(c) for c in COLUMNS)}
-    points = [(0, None, {"step": 0, "sequences": 0, "answer_tokens": 0, "cpu_hours": 0.0})]
-    points += [(int(json.loads((f / "point.json").read_text())["step"]), f, json.loads((f / "point.json").read_text()))
-               for f in sorted((work / "snapshots").glob("step_*")) if (f / "point.json").exists()]
-    todo = [(folder, point) for step, folder, point in points if step not in done]
+def curve(folder: Path, run_name: str) -> None:
+    """Evaluate the shipped drafters (step 0) and every snapshot of run `run_name` not yet in curve.csv (or lacking a
+    column); then the plot."""
+    rows = read_curve()
+    done = {key for key, row in rows.items() if all(row.get(c) for c in COLUMNS if c != "self_distilled_tokens")}
+    points = [(("shipped", 0), None, {"step": 0, "sequences": 0, "answer_tokens": 0, "cpu_hours": 0.0})]
+    for snap in sorted((folder / run_name / "snapshots").glob("step_*")):
+        if (snap / "point.json").exists():
+            point = json.loads((snap / "point.json").read_text())
+            points.append(((run_name, point["step"]), snap, point))
+    todo = [(key, snap, point) for key, snap, point in points if key not in done]
     if todo:
         target, tokenizer = load_packaged_model(TARGET)
         held_out = load_sequences(HERE / "heldout_answers.jsonl")
@@ -144,18 +231,20 @@ def curve(work: Path) -> None:
                      (HERE / "heldout_conversations.jsonl").read_text().splitlines()[:LIVE_QUESTIONS]]
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                  return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
-    for folder, point in todo:
-        row = rows.get(point["step"]) or dict(point, total_answer_tokens=EARLIER_TOKENS + point["answer_tokens"])
-        for name in DRAFTERS:  # the columns the row lacks
-            drafter = Eagle3DraftModel.from_pretrained((folder or HERE) / name, dtype=torch.float32)
-            if not row.get(f"{name}_tau"):
+    for key, snap, point in todo:
+        row = rows.get(key) or dict(point, run=key[0], total_answer_tokens=EARLIER_TOKENS + point["answer_tokens"])
+        for drafter_name in DRAFTERS:  # the columns the row lacks
+            drafter = Eagle3DraftModel.from_pretrained((snap or HERE) / drafter_name, dtype=torch.float32)
+            if not row.get(f"{drafter_name}_tau"):
                 report = evaluate_acceptance(drafter, target, held_out, depth=8)
-                row |= {f"{name}_tau": round(1 + report.greedy_length, 3),
-                        f"{name}_acc1": round(report.acceptance[0], 3)}
-            if not row.get(f"{name}_live_tau"):
-                row[f"{name}_live_tau"] = round(live_tau(target, drafter, prompts), 3)
-        write_curve_row(row)
-    plot_curve()
+                row |= {f"{drafter_name}_tau": round(1 + report.greedy_length, 3),
+                        f"{drafter_name}_acc1": round(report.acceptance[0], 3)}
+            if not row.get(f"{drafter_name}_live_tau"):
+                row[f"{drafter_name}_live_tau"] = round(live_tau(target, drafter, prompts), 3)
+        rows[key] = row
+        write_curve(rows)
+        print(f"curve: {row}", flush=True)
+    plot_curve(rows)
 
 
 def live_tau(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) -> float:
@@ -172,34 +261,41 @@ def live_tau(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) -> 
     return tokens / forwards
 
 
-def write_curve_row(row: dict) -> None:
-    rows = [r for r in csv.DictReader(CURVE.open()) if int(r["step"]) != int(row["step"])] if CURVE.exists() else []
-    rows = sorted(rows + [row], key=lambda r: int(r["step"]))
+def read_curve() -> dict[tuple[str, int], dict]:
+    rows = csv.DictReader(CURVE.open()) if CURVE.exists() else []
+    return {(row["run"], int(row["step"])): row for row in rows}
+
+
+def write_curve(rows: dict[tuple[str, int], dict]) -> None:
     CURVE.parent.mkdir(exist_ok=True)
     with CURVE.open("w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
-        writer.writerows(rows)
-    print(f"curve: {row}", flush=True)
+        writer.writerows(rows[key] for key in sorted(rows, key=lambda k: (k[0] != "shipped", k)))
 
 
-def plot_curve() -> None:
+def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
+    """Teacher-forced and live tau against answer tokens seen: a line per drafter and run, each from the shipped
+    drafters' point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(csv.DictReader(CURVE.open()))
-    tokens = [int(r["total_answer_tokens"]) / 1e6 for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for (name, label), color in zip((("eagle3", "EAGLE-3"), ("eagle31", "EAGLE 3.1")), ("tab:blue", "tab:orange")):
-        ax.plot(tokens, [float(r[f"{name}_tau"]) for r in rows], marker="o", color=color,
-                label=f"{label}, teacher-forced")
-        ax.plot(tokens, [float(r[f"{name}_live_tau"]) for r in rows], marker="s", linestyle="--", color=color,
-                label=f"{label}, live (generate)")
-    ax.set_xlabel("answer tokens seen (millions, shipped drafters' 3.12M included)")
-    ax.set_ylabel("held-out tau (chain of 8)")
-    ax.legend()
+    start = rows[("shipped", 0)]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    for ax, measure, title in zip(axes, ("tau", "live_tau"), ("teacher-forced", "live (generate)")):
+        for run, style in zip(RUNS, ("-", "--", ":")):
+            points = [start] + [rows[key] for key in sorted(rows) if key[0] == run]
+            if len(points) == 1:
+                continue
+            for drafter, label, color in (("eagle3", "EAGLE-3", "tab:blue"), ("eagle31", "EAGLE 3.1", "tab:orange")):
+                ax.plot([int(r["total_answer_tokens"]) / 1e6 for r in points],
+                        [float(r[f"{drafter}_{measure}"]) for r in points], marker="o", linestyle=style, color=color,
+                        label=f"{label}, {run} (lr {RUNS[run].lr:.0e}, {RUNS[run].self_distilled:.0%} own answers)")
+        ax.set_title(f"held-out tau, {title}, chain of 8")
+        ax.set_xlabel("answer tokens seen (M; the shipped drafters' 3.12M included)")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(CURVE.with_suffix(".png"), dpi=120)
     plt.close(fig)
@@ -207,19 +303,23 @@ def plot_curve() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["data", "train", "curve"])
-    parser.add_argument("--work", type=Path, default=Path("runs/smollm2/campaign"), help="data and checkpoints")
+    parser.add_argument("stage", choices=["data", "distill", "train", "curve"])
+    parser.add_argument("--run", choices=RUNS, default="round2", help="train, curve: which run (RUNS)")
+    parser.add_argument("--folder", type=Path, default=Path("runs/smollm2/campaign"),
+                        help="data (data/, selfdistilled/) and each run's checkpoints and snapshots")
     parser.add_argument("--hours", type=float, default=2.0, help="train: stop (checkpointed) after this long")
     parser.add_argument("--snapshot-every", type=int, default=500, help="train: steps between points of the curve")
     parser.add_argument("--save-every", type=int, default=50, help="train: steps between checkpoints")
     args = parser.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
+    args.folder.mkdir(parents=True, exist_ok=True)
     if args.stage == "data":
-        data(args.work)
+        data(args.folder)
+    elif args.stage == "distill":
+        distill(args.folder)
     elif args.stage == "train":
-        train(args.work, args.hours, args.snapshot_every, args.save_every)
+        train(args.folder, args.run, args.hours, args.snapshot_every, args.save_every)
     else:
-        curve(args.work)
+        curve(args.folder, args.run)
     return 0
 
 
