@@ -35,7 +35,7 @@ import torch
 from distill import PROMPTS, conversations
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
-from hf_eagle31.training.data import EpochShuffle, TrainingSequence, collate, fit_length, load_sequences
+from hf_eagle31.training.data import EpochShuffle, TrainingSequence, collate, fit_length, load_sequences, read_jsonl
 from hf_eagle31.training.distill import DistillSettings, distill_to_folder
 from hf_eagle31.training.evaluation import evaluate_acceptance
 from hf_eagle31.training.teacher import target_states
@@ -105,8 +105,11 @@ def given_batches(folder: Path, run: Run) -> list[list[TrainingSequence]]:
     chunks = sorted((folder / "data").glob("chunk_*.jsonl"))
     if run.given_conversations is not None:
         chunks = chunks[: run.given_conversations // GIVEN_CHUNK]
-    sequences = fit_length([s for path in chunks for s in load_sequences(path)], SETTINGS.max_length)
-    order = list(EpochShuffle(len(sequences), SEED, [len(s.input_ids) for s in sequences], BATCH))
+    return shuffled_batches(fit_length([s for path in chunks for s in load_sequences(path)], SETTINGS.max_length), SEED)
+
+
+def shuffled_batches(sequences: list[TrainingSequence], seed: int) -> list[list[TrainingSequence]]:
+    order = list(EpochShuffle(len(sequences), seed, [len(s.input_ids) for s in sequences], BATCH))
     return [[sequences[i] for i in order[k : k + BATCH]] for k in range(0, len(order), BATCH)]
 
 
@@ -121,17 +124,16 @@ class SelfDistilled:
         if index >= len(self.batches):
             paths = sorted(self.folder.glob("chunk_*.jsonl"))
             for number, path in enumerate(paths[self.chunks :], self.chunks):
-                sequences = fit_length(load_sequences(path), SELF_SETTINGS.max_length)
-                order = list(EpochShuffle(len(sequences), SEED + number, [len(s.input_ids) for s in sequences], BATCH))
-                self.batches += [[sequences[i] for i in order[k : k + BATCH]] for k in range(0, len(order), BATCH)]
+                self.batches += shuffled_batches(fit_length(load_sequences(path), SELF_SETTINGS.max_length), SEED + number)
             self.chunks = len(paths)
         return self.batches[index] if index < len(self.batches) else None
 
     def seconds_per_token(self) -> float:
         """What the distiller spent per answer token, in CPU time (it counts against the run's budget)."""
-        read = lambda name: [json.loads(line) for line in (self.folder / name).read_text().splitlines()]  # noqa: E731
-        timed = {e["chunk"]: e["cpu_seconds"] for e in read("cpu.jsonl")} if (self.folder / "cpu.jsonl").exists() else {}
-        tokens = sum(e["answer_tokens"] for e in read("chunks.log") if e["chunk"] in timed) if timed else 0
+        if not (self.folder / "cpu.jsonl").exists():
+            return 0.0
+        timed = {e["chunk"]: e["cpu_seconds"] for e in read_jsonl(self.folder / "cpu.jsonl")}
+        tokens = sum(e["answer_tokens"] for e in read_jsonl(self.folder / "chunks.log") if e["chunk"] in timed)
         return sum(timed.values()) / max(1, tokens)
 
 
