@@ -19,7 +19,7 @@ from hf_eagle31.training import evaluate_acceptance, train_drafter
 from hf_eagle31.training.data import TrainingSequence, fit_length, self_distill
 from hf_eagle31.training.losses import acceptance_loss, distillation_losses, step_mask
 from hf_eagle31.training.ttt import ttt_tail_mask, unroll
-from hf_eagle31.training.vocab import build_draft_vocab, token_counts
+from hf_eagle31.training.vocab import build_draft_vocab, token_counts, widen_draft_vocab
 
 FAST = dict(lr=1e-2, batch_size=8, save_every=1000, tune_prompts=0)
 
@@ -270,6 +270,35 @@ def test_draft_vocab_training_restricts_the_head(target, distilled, tmp_path):
     expected = torch.argsort(-counts, stable=True)[:40].sort().values
     assert drafter.lm_head.weight.shape[0] == 40
     assert torch.equal(drafter.draft_to_target(torch.arange(40)), expected)
+
+
+def test_widened_vocabulary_keeps_the_drafter_and_adds_the_most_frequent_tokens(target, distilled, tmp_path):
+    small = train_drafter(target, records(distilled[0]), tmp_path / "small", steps=2, draft_vocab_size=40, **FAST)
+    counts = token_counts(distilled[1], 256)  # other answers than the vocabulary was chosen on
+    own = small.draft_to_target(torch.arange(40)).tolist()
+    added = [i for i in torch.argsort(-counts, stable=True).tolist() if i not in own][:20]
+    wide = copy.deepcopy(small)
+    widen_draft_vocab(wide, target, counts, 60)
+    ids = wide.draft_to_target(torch.arange(60))
+    assert ids.tolist() == sorted(own + added) and wide.t2d.nonzero().flatten().tolist() == sorted(own + added)
+    features = torch.randn(2, 5, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the same drafter: its tokens' logits unchanged, the new rows the target's head rows
+        before, after = small(tokens, features).logits, wide(tokens, features).logits
+    torch.testing.assert_close(after[..., torch.searchsorted(ids, torch.tensor(own))], before)
+    # a new row: the target's row through the least-squares map from the target's rows to the drafter's trained ones
+    target_rows, new_rows = target.lm_head.weight.detach(), torch.isin(ids, torch.tensor(added))
+    linear_map = torch.linalg.pinv(target_rows[own].double()) @ small.lm_head.weight.detach().double()
+    torch.testing.assert_close(wide.lm_head.weight[new_rows].double(), target_rows[ids[new_rows]].double() @ linear_map,
+                               rtol=1e-4, atol=1e-5)
+    continued = train_drafter(target, records(distilled[0]), tmp_path / "wide", drafter=copy.deepcopy(small),
+                              steps=1, draft_vocab_size=60, **FAST)
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "wide").lm_head.weight.shape[0] == 60
+    frequent = [i for i in torch.argsort(-token_counts(distilled[0], 256), stable=True).tolist() if i not in own][:20]
+    assert continued.draft_to_target(torch.arange(60)).tolist() == sorted(own + frequent)
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        train_drafter(target, records(distilled[0]), tmp_path / "shrunk", drafter=wide, steps=1, draft_vocab_size=50,
+                      **FAST)
 
 
 def test_feature_cache_trains_like_online_features(target, distilled, tmp_path):

@@ -10,7 +10,9 @@ optimizer step on it. Same data, order, steps, seed and schedule: only the two 3
 the two drafters have equal budgets at every point of the curve. Every run starts from the shipped drafters.
 Runs (`RUNS`): round 1 trained on ShareGPT's own answers at a peak rate of 3e-4 and stayed flat; round 2
 trains at 1e-4 and takes half its steps from the target's own answers (self-distilled by `distill`, which
-runs beside it on the other core: when it falls behind, the step takes ShareGPT's answers instead).
+runs beside it on the other core: when it falls behind, the step takes ShareGPT's answers instead); round 3
+is round 2 with both draft vocabularies widened from 8,192 to 16,384 tokens (`widen_draft_vocab`: the shipped
+vocabulary covers 87-93% of the answer tokens of fresh conversations).
 Every `--snapshot-every` steps both drafters are saved as a snapshot; `curve` evaluates the snapshots not
 yet measured, teacher-forced on the 48 held-out answers the target wrote (`train.py evaluate`'s measure:
 greedy tau of an 8-token chain) and live (greedy `generate` with a fixed chain of 8 on 8 held-out questions,
@@ -41,9 +43,10 @@ from hf_eagle31.training.evaluation import evaluate_acceptance
 from hf_eagle31.training.teacher import target_states
 from hf_eagle31.training.trainer import TrainingConfig, lr_factor, training_step
 from hf_eagle31.training.ttt import Unrolled
+from hf_eagle31.training.vocab import token_counts, widen_draft_vocab
 
 HERE = Path(__file__).parent
-TARGET = "smollm2-135m-instruct"
+TARGET, TARGET_VOCAB = "smollm2-135m-instruct", 49152
 DRAFTERS = ("eagle3", "eagle31")  # shipped folders, trained side by side
 USED = [(0, 1920), (7680, 9216)]  # conversations of the training split earlier rounds trained on
 EARLIER_TOKENS = 5 * 452_849 + 854_394  # answer tokens each shipped drafter saw before the campaign (README)
@@ -64,9 +67,10 @@ class Run:
     lr: float  # peak learning rate
     self_distilled: float  # share of steps on the target's own answers (as far as the distiller has written them)
     given_conversations: int | None  # the fresh conversations whose ShareGPT answers the run trains on (None: all)
+    draft_vocab: int | None = None  # widen both drafters' draft vocabulary to this many tokens first (campaign_vocab)
 
 
-RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT)}
+RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT), "round3": Run(1e-4, 0.5, SPLIT, 16384)}
 
 
 def fresh_conversations() -> list:
@@ -113,6 +117,13 @@ def shuffled_batches(sequences: list[TrainingSequence], seed: int) -> list[list[
     return [[sequences[i] for i in order[k : k + BATCH]] for k in range(0, len(order), BATCH)]
 
 
+def campaign_token_counts(folder: Path) -> torch.Tensor:
+    """Answer-token counts over the data the campaign chose its own words from: ShareGPT's answers to every fresh
+    conversation and the target's own answers in distilled/ (fixed files, so a resumed run widens alike)."""
+    paths = sorted((folder / "data").glob("chunk_*.jsonl")) + sorted((HERE / "distilled").glob("chunk_*.jsonl"))
+    return token_counts([s for path in paths for s in load_sequences(path)], TARGET_VOCAB)
+
+
 class SelfDistilled:
     """The distiller's chunks as an append-only stream of batches: each chunk shuffled on its own, so the batches
     already trained on keep their places when the distiller adds chunks (what resuming relies on)."""
@@ -147,6 +158,8 @@ def train(folder: Path, run_name: str, hours: float, snapshot_every: int, save_e
     drafters = {name: Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32) for name in DRAFTERS}
     for drafter in drafters.values():
         drafter.set_target_embedding(target.get_input_embeddings())
+        if run.draft_vocab:  # before a saved state is loaded over it: the same vocabulary at every (re)start
+            widen_draft_vocab(drafter, target, campaign_token_counts(folder), run.draft_vocab)
     models = {name: Unrolled(d).train() for name, d in drafters.items()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
                   for name, m in models.items()}

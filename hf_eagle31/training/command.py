@@ -29,7 +29,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--drafter", help="continue training this drafter instead of starting a new one")
     add("--arch", choices=sorted(ARCHITECTURES), default=defaults.arch,
         help="eagle3.1: both 3.1 norms (fc_norm, norm_output) on; eagle3: the original head")
-    add("--draft-vocab-size", type=int, help="keep the N most frequent answer tokens (default: the full vocabulary)")
+    add("--draft-vocab-size", type=int, help="keep the N most frequent answer tokens (default: the full vocabulary); "
+        "continuing a drafter, widen its vocabulary to N (its tokens kept, the most frequent others added)")
     add("--ttt-steps", type=int, default=defaults.ttt_steps, help=f"draft steps unrolled in training (1..{MAX_TTT_STEPS})")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--steps", type=int, help="optimizer steps of stage 1")

@@ -43,7 +43,7 @@ from hf_eagle31.training.feature_cache import build_feature_cache
 from hf_eagle31.training.losses import acceptance_loss, ahead, distillation_losses, step_mask
 from hf_eagle31.training.teacher import draft_vocab_ids, target_logits, target_states
 from hf_eagle31.training.ttt import Unrolled
-from hf_eagle31.training.vocab import build_draft_vocab, token_counts
+from hf_eagle31.training.vocab import build_draft_vocab, target_head_rows, token_counts, widen_draft_vocab
 
 ARCHITECTURES = {"eagle3": False, "eagle3.1": True}  # --arch -> both 3.1 switches on?
 MAX_TTT_STEPS = 7
@@ -249,12 +249,10 @@ def new_drafter(target: PreTrainedModel, config: TrainingConfig, sequences: list
         d2t, t2d = build_draft_vocab(counts, size)
         drafter.d2t.copy_(d2t)
         drafter.t2d.copy_(t2d)
-    # the drafter's head predicts what the target's head does, from a state of the same width: start from the
-    # target's rows (a short run otherwise spends its first steps rediscovering the output embedding)
-    head = target.get_output_embeddings()
-    if head is not None and head.weight.shape[1] == drafter.lm_head.weight.shape[1]:
+    rows = target_head_rows(target, draft_vocab_ids(drafter), drafter.lm_head.weight.shape[1])
+    if rows is not None:
         with torch.no_grad():
-            drafter.lm_head.weight.copy_(head.weight[draft_vocab_ids(drafter).to(head.weight.device)])
+            drafter.lm_head.weight.copy_(rows)
     return drafter
 
 
@@ -339,9 +337,9 @@ def train_drafter(
         target.to(accelerator.device)
     if drafter is not None:
         prepare_drafter(target, drafter)
-        if config.draft_vocab_size not in (None, drafter.config.draft_vocab_size):
+        if (config.draft_vocab_size or drafter.config.draft_vocab_size) < drafter.config.draft_vocab_size:
             raise ValueError(f"the given drafter has a draft vocabulary of {drafter.config.draft_vocab_size} tokens, "
-                             f"not {config.draft_vocab_size}; leave draft_vocab_size unset to keep it")
+                             f"more than draft_vocab_size={config.draft_vocab_size}: a vocabulary can grow, not shrink")
     checkpoint = latest_checkpoint(out_dir) if config.resume else None
     if not config.resume and any((out_dir / "checkpoints").glob("step_*")):
         raise ValueError(f"{out_dir} holds checkpoints of an earlier run: resume it (--resume) or choose another "
@@ -357,6 +355,8 @@ def train_drafter(
     if drafter is None:
         drafter = new_drafter(target, config, sequences)
         drafter.set_target_embedding(target.get_input_embeddings())
+    elif (config.draft_vocab_size or 0) > drafter.config.draft_vocab_size:  # the data asks for more tokens
+        widen_draft_vocab(drafter, target, token_counts(sequences, drafter.t2d.shape[0]), config.draft_vocab_size)
     drafter.float().train()
     if config.feature_cache:
         with accelerator.main_process_first():
