@@ -67,7 +67,7 @@ class Run:
     lr: float  # peak learning rate
     self_distilled: float  # share of steps on the target's own answers (as far as the distiller has written them)
     given_conversations: int | None  # the fresh conversations whose ShareGPT answers the run trains on (None: all)
-    draft_vocab: int | None = None  # widen both drafters' draft vocabulary to this many tokens first (campaign_vocab)
+    draft_vocab: int = 8192  # draft vocabulary: the shipped drafters' 8,192 tokens, or widened to more first
 
 
 RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT), "round3": Run(1e-4, 0.5, SPLIT, 16384)}
@@ -158,7 +158,7 @@ def train(folder: Path, run_name: str, hours: float, snapshot_every: int, save_e
     drafters = {name: Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32) for name in DRAFTERS}
     for drafter in drafters.values():
         drafter.set_target_embedding(target.get_input_embeddings())
-        if run.draft_vocab:  # before a saved state is loaded over it: the same vocabulary at every (re)start
+        if run.draft_vocab > drafter.config.draft_vocab_size:  # before a saved state loads: the same at each start
             widen_draft_vocab(drafter, target, campaign_token_counts(folder), run.draft_vocab)
     models = {name: Unrolled(d).train() for name, d in drafters.items()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -307,7 +307,8 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
             for drafter, label, color in (("eagle3", "EAGLE-3", "tab:blue"), ("eagle31", "EAGLE 3.1", "tab:orange")):
                 ax.plot([int(r["total_answer_tokens"]) / 1e6 for r in points],
                         [float(r[f"{drafter}_{measure}"]) for r in points], marker="o", linestyle=style, color=color,
-                        label=f"{label}, {run} (lr {RUNS[run].lr:.0e}, {RUNS[run].self_distilled:.0%} own answers)")
+                        label=f"{label}, {run} (lr {RUNS[run].lr:.0e}, {RUNS[run].self_distilled:.0%} own answers, "
+                              f"{RUNS[run].draft_vocab:,} draft tokens)")
         ax.set_title(f"held-out tau, {title}, chain of 8")
         ax.set_xlabel("answer tokens seen (M; the shipped drafters' 3.12M included)")
     axes[0].legend(fontsize=7)

@@ -1,5 +1,6 @@
 """Our side: the same target alone, or with the same drafter (EAGLE 3.1 or EAGLE-3, before export), greedy on the
-same held-out questions, in the shape vLLM runs: a chain of 3, no dynamic length, no collapse fallback.
+same held-out questions, in the shape vLLM runs: a chain of 3, no dynamic length, no collapse fallback (or, with
+`--tuned`, the drafter's own tuned shape: each engine at its best).
 
     .venv/bin/python examples/vllm_cpu/run_ours.py --target TARGET [--drafter examples/smollm2/eagle31] --out FILE.json
 
@@ -20,15 +21,18 @@ def main() -> None:
     parser = run_arguments(__doc__, "a drafter folder (any layout)", "num_assistant_tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--drafter-dtype", default="", help="default: bf16 where the CPU computes it (drafting_dtype)")
+    parser.add_argument("--tuned", action="store_true", help="the drafter's own tuned shape (its generation config: a "
+                        "tree for the shipped heads) instead of a chain of --tokens")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     drafter = None
     if args.drafter:
-        drafter = Eagle3DraftModel.from_pretrained(
-            args.drafter, speculation_mode="chain", num_assistant_tokens=args.tokens, dynamic_speculation=False,
-            collapse_fallback=False)
+        shape = {} if args.tuned else {"speculation_mode": "chain", "num_assistant_tokens": args.tokens}
+        drafter = Eagle3DraftModel.from_pretrained(args.drafter, dynamic_speculation=False, collapse_fallback=False,
+                                                   **shape)
+        args.tokens = drafter.generation_config.tree_depth if args.tuned else args.tokens  # per-position counters
         drafter = drafter.to(getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)).eval()
     prompts = question_ids(args.target, args.questions)
     greedy = {"do_sample": False, "assistant_model": drafter} if drafter else {"do_sample": False}
@@ -45,7 +49,11 @@ def main() -> None:
             row |= {"drafts": stats.speculative_forwards, "accepted": stats.speculative_tokens - stats.speculative_forwards,
                     "per_position": list(stats.accepted) + [0] * (args.tokens - len(stats.accepted))}
         rows.append(row)
-    write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None)
+    config = drafter.generation_config if drafter else None
+    shape = (f"{config.speculation_mode}: top-k {config.tree_top_k}, depth {config.tree_depth}, "
+             f"{config.tree_total_tokens} tokens" if args.tuned else None)
+    write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None,
+                 shape=shape)
 
 
 if __name__ == "__main__":
