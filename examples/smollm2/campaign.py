@@ -46,7 +46,7 @@ from hf_eagle31.training.ttt import Unrolled
 from hf_eagle31.training.vocab import token_counts, widen_draft_vocab
 
 HERE = Path(__file__).parent
-TARGET, TARGET_VOCAB = "smollm2-135m-instruct", 49152
+TARGET = "smollm2-135m-instruct"
 DRAFTERS = ("eagle3", "eagle31")  # shipped folders, trained side by side
 USED = [(0, 1920), (7680, 9216)]  # conversations of the training split earlier rounds trained on
 EARLIER_TOKENS = 5 * 452_849 + 854_394  # answer tokens each shipped drafter saw before the campaign (README)
@@ -117,11 +117,11 @@ def shuffled_batches(sequences: list[TrainingSequence], seed: int) -> list[list[
     return [[sequences[i] for i in order[k : k + BATCH]] for k in range(0, len(order), BATCH)]
 
 
-def campaign_token_counts(folder: Path) -> torch.Tensor:
+def campaign_token_counts(folder: Path, vocab_size: int) -> torch.Tensor:
     """Answer-token counts over the data the campaign chose its own words from: ShareGPT's answers to every fresh
     conversation and the target's own answers in distilled/ (fixed files, so a resumed run widens alike)."""
     paths = sorted((folder / "data").glob("chunk_*.jsonl")) + sorted((HERE / "distilled").glob("chunk_*.jsonl"))
-    return token_counts([s for path in paths for s in load_sequences(path)], TARGET_VOCAB)
+    return token_counts([s for path in paths for s in load_sequences(path)], vocab_size)
 
 
 class SelfDistilled:
@@ -156,10 +156,12 @@ def train(folder: Path, run_name: str, hours: float, snapshot_every: int, save_e
     given, own = given_batches(folder, run), SelfDistilled(folder / "selfdistilled")
     total = int(len(given) / (1 - run.self_distilled))  # the schedule's length: every given batch once
     drafters = {name: Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32) for name in DRAFTERS}
+    widen = [d for d in drafters.values() if run.draft_vocab > d.config.draft_vocab_size]
+    counts = campaign_token_counts(folder, target.config.vocab_size) if widen else None  # read once for both
     for drafter in drafters.values():
         drafter.set_target_embedding(target.get_input_embeddings())
-        if run.draft_vocab > drafter.config.draft_vocab_size:  # before a saved state loads: the same at each start
-            widen_draft_vocab(drafter, target, campaign_token_counts(folder), run.draft_vocab)
+        if drafter in widen:  # before a saved state loads: the same vocabulary at each start
+            widen_draft_vocab(drafter, target, counts, run.draft_vocab)
     models = {name: Unrolled(d).train() for name, d in drafters.items()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
                   for name, m in models.items()}

@@ -49,9 +49,11 @@ def main() -> None:
             row |= {"drafts": stats.speculative_forwards, "accepted": stats.speculative_tokens - stats.speculative_forwards,
                     "per_position": list(stats.accepted) + [0] * (args.tokens - len(stats.accepted))}
         rows.append(row)
-    config = drafter.generation_config if drafter else None
-    shape = (f"{config.speculation_mode}: top-k {config.tree_top_k}, depth {config.tree_depth}, "
-             f"{config.tree_total_tokens} tokens" if args.tuned else None)
+    shape = None
+    if drafter is not None and args.tuned:
+        config = drafter.generation_config
+        shape = (f"{config.speculation_mode}: top-k {config.tree_top_k}, depth {config.tree_depth}, "
+                 f"{config.tree_total_tokens} tokens")
     write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None,
                  shape=shape)
 
