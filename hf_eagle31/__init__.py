@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModel
 from hf_eagle31.configuration import Eagle3Config
 from hf_eagle31.generation import drafting_dtype, install
 from hf_eagle31.modeling import Eagle3DraftModel, route_auto_classes
+from hf_eagle31.packing import packed_weights
 from hf_eagle31.stats import SpeculationStats
 
 AutoConfig.register(Eagle3Config.model_type, Eagle3Config)
@@ -18,4 +19,4 @@ route_auto_classes()
 install()
 
 __version__ = "0.1.0"
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats", "drafting_dtype"]
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats", "drafting_dtype", "packed_weights"]

@@ -79,6 +79,23 @@ def test_nested_calls_pack_once_and_unpack_with_the_last():
     assert not any(hasattr(m, "packed_weight") for m in target.modules())
 
 
+def test_a_serving_loop_packs_once_for_all_its_calls_and_refuses_a_save_inside(monkeypatch, tmp_path):
+    target, drafter = trained_pair("llama", eagle31=True)
+    prompts = (PROMPTS[0:1], PROMPTS[3:4])
+    expected = [target.generate(p, do_sample=False, max_new_tokens=16) for p in prompts]  # torch's default path
+    reorders, reorder = [], torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda weight, hint: reorders.append(weight) or reorder(weight, hint), raising=False)
+    with hf_eagle31.packed_weights(target), hf_eagle31.packed_weights(drafter):
+        packed = len(reorders)
+        outputs = [target.generate(p, assistant_model=drafter, do_sample=False, max_new_tokens=16) for p in prompts]
+        assert packed > 0 and len(reorders) == packed  # the calls found the weights packed and kept them so
+        with pytest.raises(RuntimeError, match="packed for oneDNN"):
+            target.save_pretrained(tmp_path)
+    assert all(torch.equal(out, ref) for out, ref in zip(outputs, expected, strict=True))
+    assert all(torch.isfinite(t).all() for t in target.state_dict().values())  # unpacked: saving works again
+
+
 def test_models_that_cannot_be_packed_are_left_alone():
     assert not can_pack(make_target(dtype=torch.float16))
     target = make_target(seed=5, dtype=torch.float16)

@@ -12,7 +12,9 @@ Runs (`RUNS`): round 1 trained on ShareGPT's own answers at a peak rate of 3e-4 
 trains at 1e-4 and takes half its steps from the target's own answers (self-distilled by `distill`, which
 runs beside it on the other core: when it falls behind, the step takes ShareGPT's answers instead); round 3
 is round 2 with both draft vocabularies widened from 8,192 to 16,384 tokens (`widen_draft_vocab`: the shipped
-vocabulary covers 87-93% of the answer tokens of fresh conversations).
+vocabulary covers 87-93% of the answer tokens of fresh conversations); round 4 is round 2 with training-time test
+unrolled 7 steps (EAGLE-3's) instead of 4; round 5 is round 2 with the LK-lambda loss (eta 3) instead of forward
+KL. Rounds 3-5 are levers, each measured against round 2 on the same batches.
 Every `--snapshot-every` steps both drafters are saved as a snapshot; `curve` evaluates the snapshots not
 yet measured, teacher-forced on the 48 held-out answers the target wrote (`train.py evaluate`'s measure:
 greedy tau of an 8-token chain) and live (greedy `generate` with a fixed chain of 8 on 8 held-out questions,
@@ -54,7 +56,6 @@ SETTINGS = DistillSettings(max_length=1024, max_new_tokens=256, max_turns=None, 
 SELF_SETTINGS = DistillSettings(max_length=1024, max_new_tokens=256, max_turns=2, batch_size=32)  # as distilled/
 GIVEN_CHUNK, SELF_CHUNK = 256, 128  # conversations a chunk
 SPLIT = 8192  # fresh conversations past this one are left to self-distillation (round 2 trains on given ones below)
-CONFIG = TrainingConfig(ttt_steps=4, steps=1, loss_decay=0.8)  # what training_step reads
 BATCH, WARMUP, SEED = 2, 100, 0
 CURVE = HERE / "campaign" / "curve.csv"
 COLUMNS = ["run", "step", "sequences", "answer_tokens", "self_distilled_tokens", "total_answer_tokens", "cpu_hours",
@@ -68,9 +69,15 @@ class Run:
     self_distilled: float  # share of steps on the target's own answers (as far as the distiller has written them)
     given_conversations: int | None  # the fresh conversations whose ShareGPT answers the run trains on (None: all)
     draft_vocab: int = 8192  # draft vocabulary: the shipped drafters' 8,192 tokens, or widened to more first
+    ttt_steps: int = 4  # draft steps unrolled in training (the shipped drafters': 4; EAGLE-3's: 7)
+    lk_eta: float | None = None  # the LK-lambda loss with this eta instead of forward KL (losses.py)
+
+    def config(self) -> TrainingConfig:
+        return TrainingConfig(ttt_steps=self.ttt_steps, steps=1, loss_decay=0.8, lk_eta=self.lk_eta)  # training_step's
 
 
-RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT), "round3": Run(1e-4, 0.5, SPLIT, 16384)}
+RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT), "round3": Run(1e-4, 0.5, SPLIT, 16384),
+        "round4": Run(1e-4, 0.5, SPLIT, ttt_steps=7), "round5": Run(1e-4, 0.5, SPLIT, lk_eta=3.0)}
 
 
 def fresh_conversations() -> list:
@@ -148,13 +155,15 @@ class SelfDistilled:
         return sum(timed.values()) / max(1, tokens)
 
 
-def train(folder: Path, run_name: str, hours: float, snapshot_every: int, save_every: int) -> None:
+def train(folder: Path, run_name: str, hours: float, until_step: int | None, snapshot_every: int,
+          save_every: int) -> None:
     torch.set_num_threads(1)
     run, work = RUNS[run_name], folder / run_name
     target, _ = load_packaged_model(TARGET)
     target.requires_grad_(False).eval()
     given, own = given_batches(folder, run), SelfDistilled(folder / "selfdistilled")
     total = int(len(given) / (1 - run.self_distilled))  # the schedule's length: every given batch once
+    last, config = min(total, until_step or total), run.config()
     drafters = {name: Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32) for name in DRAFTERS}
     widen = [d for d in drafters.values() if run.draft_vocab > d.config.draft_vocab_size]
     counts = campaign_token_counts(folder, target.config.vocab_size) if widen else None  # read once for both
@@ -179,8 +188,8 @@ def train(folder: Path, run_name: str, hours: float, snapshot_every: int, save_e
     work.mkdir(parents=True, exist_ok=True)
     log = (work / "train_log.csv").open("a")
     stop = time.time() + hours * 3600
-    print(f"campaign {run_name}: step {counts['step']} of {total}, until {time.ctime(stop)}", flush=True)
-    while counts["step"] < total and counts["given"] < len(given) and time.time() < stop:
+    print(f"campaign {run_name}: step {counts['step']} of {total}, until step {last} or {time.ctime(stop)}", flush=True)
+    while counts["step"] < last and counts["given"] < len(given) and time.time() < stop:
         started = time.process_time()
         step = counts["step"]
         sequences = own[counts["own"]] if counts["own"] < run.self_distilled * (step + 1) else None
@@ -191,7 +200,7 @@ def train(folder: Path, run_name: str, hours: float, snapshot_every: int, save_e
                                                                 drafters["eagle3"].config.target_layer_ids)
         row = [step + 1]
         for name in DRAFTERS:  # one step each on the same batch: equal budgets at every point
-            loss, stats = training_step(models[name], drafters[name], target, batch, CONFIG, False)
+            loss, stats = training_step(models[name], drafters[name], target, batch, config, False)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(models[name].parameters(), 1.0)
             optimizers[name].step(), optimizers[name].zero_grad(), schedule[name].step()
@@ -302,7 +311,7 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
     start = rows[("shipped", 0)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
     for ax, measure, title in zip(axes, ("tau", "live_tau"), ("teacher-forced", "live (generate)")):
-        for run, style in zip(RUNS, ("-", "--", ":")):
+        for run, style in zip(RUNS, ("-", "--", ":", "-.", (0, (1, 4)))):
             points = [start] + [rows[key] for key in sorted(rows) if key[0] == run]
             if len(points) == 1:
                 continue
@@ -310,7 +319,8 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
                 ax.plot([int(r["total_answer_tokens"]) / 1e6 for r in points],
                         [float(r[f"{drafter}_{measure}"]) for r in points], marker="o", linestyle=style, color=color,
                         label=f"{label}, {run} (lr {RUNS[run].lr:.0e}, {RUNS[run].self_distilled:.0%} own answers, "
-                              f"{RUNS[run].draft_vocab:,} draft tokens)")
+                              f"{RUNS[run].draft_vocab:,} draft tokens, unroll {RUNS[run].ttt_steps}"
+                              f"{'' if RUNS[run].lk_eta is None else ', LK loss'})")
         ax.set_title(f"held-out tau, {title}, chain of 8")
         ax.set_xlabel("answer tokens seen (M; the shipped drafters' 3.12M included)")
     axes[0].legend(fontsize=7)
@@ -326,6 +336,7 @@ def main() -> int:
     parser.add_argument("--folder", type=Path, default=Path("runs/smollm2/campaign"),
                         help="data (data/, selfdistilled/) and each run's checkpoints and snapshots")
     parser.add_argument("--hours", type=float, default=2.0, help="train: stop (checkpointed) after this long")
+    parser.add_argument("--until-step", type=int, help="train: stop (checkpointed) at this step")
     parser.add_argument("--snapshot-every", type=int, default=500, help="train: steps between points of the curve")
     parser.add_argument("--save-every", type=int, default=50, help="train: steps between checkpoints")
     args = parser.parse_args()
@@ -335,7 +346,7 @@ def main() -> int:
     elif args.stage == "distill":
         distill(args.folder)
     elif args.stage == "train":
-        train(args.folder, args.run, args.hours, args.snapshot_every, args.save_every)
+        train(args.folder, args.run, args.hours, args.until_step, args.snapshot_every, args.save_every)
     else:
         curve(args.folder, args.run)
     return 0

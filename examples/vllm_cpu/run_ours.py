@@ -4,17 +4,20 @@ same held-out questions, in the shape vLLM runs: a chain of 3, no dynamic length
 
     .venv/bin/python examples/vllm_cpu/run_ours.py --target TARGET [--drafter examples/smollm2/eagle31] --out FILE.json
 
-Each question is generated alone (batch 1), timed from the call to its return; the acceptance counters are
+Each question is generated alone (batch 1), timed from the call to its return (with `--pack-once` the loop runs
+inside `packed_weights`, as a server would: the weights are packed once, before the warm-up, instead of in each
+call); the acceptance counters are
 `drafter.speculation_stats` (tau: tokens per speculative target forward, the bonus token included).
 """
 
+import contextlib
 import time
 
 import torch
 from shared import question_ids, run_arguments, write_report
 from transformers import AutoModelForCausalLM
 
-from hf_eagle31 import Eagle3DraftModel, drafting_dtype
+from hf_eagle31 import Eagle3DraftModel, drafting_dtype, packed_weights
 
 
 def main() -> None:
@@ -23,6 +26,7 @@ def main() -> None:
     parser.add_argument("--drafter-dtype", default="", help="default: bf16 where the CPU computes it (drafting_dtype)")
     parser.add_argument("--tuned", action="store_true", help="the drafter's own tuned shape (its generation config: a "
                         "tree for the shipped heads) instead of a chain of --tokens")
+    parser.add_argument("--pack-once", action="store_true", help="pack the weights once for all questions")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -36,26 +40,29 @@ def main() -> None:
         drafter = drafter.to(getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)).eval()
     prompts = question_ids(args.target, args.questions)
     greedy = {"do_sample": False, "assistant_model": drafter} if drafter else {"do_sample": False}
-    target.generate(torch.tensor([prompts[0]]), max_new_tokens=16, **greedy)  # warm-up, not counted
-
     rows = []
-    for ids in prompts:
-        started = time.perf_counter()
-        out = target.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, **greedy)
-        seconds = time.perf_counter() - started
-        row = {"tokens": out[0, len(ids):].tolist(), "seconds": seconds}
-        if drafter:
-            stats = drafter.speculation_stats
-            row |= {"drafts": stats.speculative_forwards, "accepted": stats.speculative_tokens - stats.speculative_forwards,
-                    "per_position": list(stats.accepted) + [0] * (args.tokens - len(stats.accepted))}
-        rows.append(row)
+    with contextlib.ExitStack() as packing:
+        if args.pack_once and drafter:
+            packing.enter_context(packed_weights(target)), packing.enter_context(packed_weights(drafter))
+        target.generate(torch.tensor([prompts[0]]), max_new_tokens=16, **greedy)  # warm-up, not counted
+        for ids in prompts:
+            started = time.perf_counter()
+            out = target.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, **greedy)
+            seconds = time.perf_counter() - started
+            row = {"tokens": out[0, len(ids):].tolist(), "seconds": seconds}
+            if drafter:
+                stats = drafter.speculation_stats
+                row |= {"drafts": stats.speculative_forwards,
+                        "accepted": stats.speculative_tokens - stats.speculative_forwards,
+                        "per_position": list(stats.accepted) + [0] * (args.tokens - len(stats.accepted))}
+            rows.append(row)
     shape = None
     if drafter is not None and args.tuned:
         config = drafter.generation_config
         shape = (f"{config.speculation_mode}: top-k {config.tree_top_k}, depth {config.tree_depth}, "
                  f"{config.tree_total_tokens} tokens")
     write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None,
-                 shape=shape)
+                 shape=shape, packed_once=bool(args.pack_once and drafter))
 
 
 if __name__ == "__main__":
