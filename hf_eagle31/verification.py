@@ -373,8 +373,9 @@ def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.T
     for b, k in enumerate(kept):
         index[b, : k.shape[0]] = k.to(device)
         real[b, : k.shape[0]] = True
+    in_place = all(torch.equal(k.cpu(), torch.arange(k.shape[0])) for k in kept)  # a chain's, or the root alone
     for layer in cache.layers:
-        if not layer.is_initialized:
+        if in_place or not layer.is_initialized:
             continue
         first = start if isinstance(layer, StaticLayer) else layer.keys.shape[2] - block
         for entries in (layer.keys, layer.values):

@@ -177,6 +177,20 @@ def test_compact_cache_keeps_the_accepted_entries_in_order():
     assert torch.equal(cache.layers[0].keys, keys[:, :, kept]) and torch.equal(cache.layers[0].values, -keys[:, :, kept])
 
 
+def test_compact_cache_with_rows_of_different_lengths_marks_the_holes():
+    cache = DynamicCache()
+    keys = torch.arange(2 * 2 * 9 * 3, dtype=torch.float).view(2, 2, 9, 3)
+    cache.update(keys, -keys, 0)
+    real = compact_cache(cache, 4, [torch.tensor([0, 1, 2]), torch.tensor([0, 3])])  # a prefix beside a tree path
+    assert torch.equal(real, torch.tensor([[True, True, True], [True, True, False]]))
+    assert torch.equal(cache.layers[0].keys[0], keys[0, :, :7]) and torch.equal(cache.layers[0].keys[1, :, :6],
+                                                                                keys[1, :, [0, 1, 2, 3, 4, 7]])
+    chain = DynamicCache()
+    chain.update(keys, -keys, 0)
+    compact_cache(chain, 4, [torch.tensor([0, 1]), torch.tensor([0])])  # in place already: only cut
+    assert torch.equal(chain.layers[0].keys, keys[:, :, :6]) and torch.equal(chain.layers[0].values, -keys[:, :, :6])
+
+
 class _Attention:
     is_causal, num_key_value_groups, training = True, 2, False
 
