@@ -301,32 +301,38 @@ def write_curve(rows: dict[tuple[str, int], dict]) -> None:
 
 
 def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
-    """Teacher-forced and live tau against answer tokens seen: a line per drafter and run, each from the shipped
-    drafters' point."""
+    """Teacher-forced and live tau against answer tokens seen: a line per drafter (colour) and run (line style),
+    each from the shipped drafters' point; one legend below for both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    start = rows[("shipped", 0)]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    start, styles = rows[("shipped", 0)], dict(zip(RUNS, ("-", "--", ":", "-.", (0, (1, 4)))))
+    drafters = {"eagle3": ("EAGLE-3", "tab:blue"), "eagle31": ("EAGLE 3.1", "tab:orange")}
+    plotted = [run for run in RUNS if any(key[0] == run for key in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharex=True)
     for ax, measure, title in zip(axes, ("tau", "live_tau"), ("teacher-forced", "live (generate)")):
-        for run, style in zip(RUNS, ("-", "--", ":", "-.", (0, (1, 4)))):
+        for run in plotted:
             points = [start] + [rows[key] for key in sorted(rows) if key[0] == run]
-            if len(points) == 1:
-                continue
-            for drafter, label, color in (("eagle3", "EAGLE-3", "tab:blue"), ("eagle31", "EAGLE 3.1", "tab:orange")):
+            for drafter, (_, color) in drafters.items():
                 ax.plot([int(r["total_answer_tokens"]) / 1e6 for r in points],
-                        [float(r[f"{drafter}_{measure}"]) for r in points], marker="o", linestyle=style, color=color,
-                        label=f"{label}, {run} (lr {RUNS[run].lr:.0e}, {RUNS[run].self_distilled:.0%} own answers, "
-                              f"{RUNS[run].draft_vocab:,} draft tokens, unroll {RUNS[run].ttt_steps}"
-                              f"{'' if RUNS[run].lk_eta is None else ', LK loss'})")
+                        [float(r[f"{drafter}_{measure}"]) for r in points], marker="o", linestyle=styles[run], color=color)
         ax.set_title(f"held-out tau, {title}, chain of 8")
         ax.set_xlabel("answer tokens seen (M; the shipped drafters' 3.12M included)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles = [Line2D([], [], color=color, marker="o", label=label) for label, color in drafters.values()]
+    handles += [Line2D([], [], color="black", linestyle=styles[run], label=f"{run}: {describe(RUNS[run])}")
+                for run in plotted]
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.02 + 0.035 * ((len(handles) + 1) // 2), 1, 1))
     fig.savefig(CURVE.with_suffix(".png"), dpi=120)
     plt.close(fig)
+
+
+def describe(run: Run) -> str:
+    return (f"lr {run.lr:.0e}, {run.self_distilled:.0%} own answers, {run.draft_vocab:,} draft tokens, "
+            f"unroll {run.ttt_steps}{'' if run.lk_eta is None else f', LK loss (eta {run.lk_eta:g})'}")
 
 
 def main() -> int:
