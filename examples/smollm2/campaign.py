@@ -4,6 +4,7 @@
     python examples/smollm2/campaign.py distill &            # the target's own answers, one thread; stop and rerun at will
     python examples/smollm2/campaign.py train --run round2 --hours 2   # train until then, checkpointing; rerun to go on
     python examples/smollm2/campaign.py curve --run round2   # evaluate new snapshots: the learning curve, table and plot
+    python examples/smollm2/campaign.py mtbench --run round2 --step 750   # a snapshot against the shipped pair
 
 Lockstep: the target computes the features of a batch once, and EAGLE-3 and EAGLE 3.1 each take one
 optimizer step on it. Same data, order, steps, seed and schedule: only the two 3.1 switches differ, so
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from distill import PROMPTS, conversations
+from hf_eagle31 import drafting_dtype
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
 from hf_eagle31.training.data import EpochShuffle, TrainingSequence, collate, fit_length, load_sequences, read_jsonl
@@ -276,15 +279,41 @@ def curve(folder: Path, run_name: str) -> None:
 def live_tau(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) -> float:
     """Tokens per target forward of greedy `generate` with a fixed chain: decoding as users run it, where the
     teacher-forced measure scores the drafter on the target's own answers."""
-    drafter.generation_config.update(speculation_mode="chain", num_assistant_tokens=LIVE_CHAIN,
-                                     dynamic_speculation=False, collapse_fallback=False)
-    tokens = forwards = 0
+    drafter.generation_config.update(speculation_mode="chain", num_assistant_tokens=LIVE_CHAIN)
+    counts = live_counts(target, drafter, prompts)
+    return sum(t for t, _ in counts) / sum(f for _, f in counts)
+
+
+def live_counts(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(tokens, target forwards) of each prompt's greedy `generate`, in the drafter's shape held fixed."""
+    drafter.generation_config.update(dynamic_speculation=False, collapse_fallback=False)
+    counts = []
     for ids in prompts:
         target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=LIVE_TOKENS,
                         assistant_model=drafter)
-        tokens += drafter.speculation_stats.speculative_tokens
-        forwards += drafter.speculation_stats.speculative_forwards
-    return tokens / forwards
+        counts.append((drafter.speculation_stats.speculative_tokens, drafter.speculation_stats.speculative_forwards))
+    return counts
+
+
+def mtbench(folder: Path, run_name: str, step: int, questions: int) -> None:
+    """Live tau on MT-Bench's first turns, a snapshot's drafters against the shipped ones, paired question by
+    question: the benchmark's measure, in each drafter's tuned shape (held fixed) and its decoding dtype."""
+    target, tokenizer = load_packaged_model(TARGET)
+    turns = [json.loads(line)["turns"][0] for line in (HERE / "prompts" / "mt_bench.jsonl").open()][:questions]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for q in turns]
+    snapshot = folder / run_name / "snapshots" / f"step_{step:06d}"
+    for name in DRAFTERS:
+        taus = []
+        for path in (HERE / name, snapshot / name):
+            drafter = Eagle3DraftModel.from_pretrained(path).to(drafting_dtype(target))
+            counts = live_counts(target, drafter, prompts)
+            taus.append([t / f for t, f in counts])
+            print(f"{name} {path}: tau {sum(t for t, _ in counts) / sum(f for _, f in counts):.3f}", flush=True)
+        gains = [new - old for old, new in zip(*taus)]
+        spread = statistics.stdev(gains) / len(gains) ** 0.5
+        print(f"{name}: snapshot - shipped, per question: {statistics.mean(gains):+.3f} +- {spread:.3f} (standard "
+              f"error), higher on {sum(g > 0 for g in gains)} of {len(gains)}", flush=True)
 
 
 def read_curve() -> dict[tuple[str, int], dict]:
@@ -337,12 +366,14 @@ def describe(run: Run) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["data", "distill", "train", "curve"])
+    parser.add_argument("stage", choices=["data", "distill", "train", "curve", "mtbench"])
     parser.add_argument("--run", choices=RUNS, default="round2", help="train, curve: which run (RUNS)")
     parser.add_argument("--folder", type=Path, default=Path("runs/smollm2/campaign"),
                         help="data (data/, selfdistilled/) and each run's checkpoints and snapshots")
     parser.add_argument("--hours", type=float, default=2.0, help="train: stop (checkpointed) after this long")
     parser.add_argument("--until-step", type=int, help="train: stop (checkpointed) at this step")
+    parser.add_argument("--step", type=int, help="mtbench: the snapshot's step")
+    parser.add_argument("--questions", type=int, default=40, help="mtbench: its first questions")
     parser.add_argument("--snapshot-every", type=int, default=500, help="train: steps between points of the curve")
     parser.add_argument("--save-every", type=int, default=50, help="train: steps between checkpoints")
     args = parser.parse_args()
@@ -353,6 +384,8 @@ def main() -> int:
         distill(args.folder)
     elif args.stage == "train":
         train(args.folder, args.run, args.hours, args.until_step, args.snapshot_every, args.save_every)
+    elif args.stage == "mtbench":
+        mtbench(args.folder, args.run, args.step, args.questions)
     else:
         curve(args.folder, args.run)
     return 0
