@@ -27,6 +27,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hf_eagle31.verification import exact_mode_active
 
@@ -135,7 +136,7 @@ def _refuse_state_dict(module: nn.Module, *_) -> None:
     )
 
 
-_PACKED: dict[int, tuple[int, list[nn.Linear], object]] = {}  # id(model) -> (calls in flight, layers swapped, hook)
+_PACKED: dict[int, tuple[int, list[nn.Linear], RemovableHandle | None]] = {}  # id(model) -> (calls in flight, layers swapped, hook)
 _LOCK = threading.Lock()
 
 
