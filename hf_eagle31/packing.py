@@ -136,7 +136,8 @@ def _refuse_state_dict(module: nn.Module, *_) -> None:
     )
 
 
-_PACKED: dict[int, tuple[int, list[nn.Linear], RemovableHandle | None]] = {}  # id(model) -> (calls in flight, layers swapped, hook)
+# id(model) -> (calls in flight, layers swapped, the hook refusing state_dict)
+_PACKED: dict[int, tuple[int, list[nn.Linear], RemovableHandle | None]] = {}
 _LOCK = threading.Lock()
 
 

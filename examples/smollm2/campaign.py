@@ -4,7 +4,7 @@
     python examples/smollm2/campaign.py distill &            # the target's own answers, one thread; stop and rerun at will
     python examples/smollm2/campaign.py train --run round2 --hours 2   # train until then, checkpointing; rerun to go on
     python examples/smollm2/campaign.py curve --run round2   # evaluate new snapshots: the learning curve, table and plot
-    python examples/smollm2/campaign.py mtbench --run round2 --step 750   # a snapshot against the shipped pair
+    python examples/smollm2/campaign.py mtbench --run round2 --step 750   # vs the shipped pair
 
 Lockstep: the target computes the features of a batch once, and EAGLE-3 and EAGLE 3.1 each take one
 optimizer step on it. Same data, order, steps, seed and schedule: only the two 3.1 switches differ, so
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from distill import PROMPTS, conversations
+from train import calibration_prompts, chat_prompts
 from hf_eagle31 import drafting_dtype
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
@@ -256,10 +257,7 @@ def curve(folder: Path, run_name: str) -> None:
     if todo:
         target, tokenizer = load_packaged_model(TARGET)
         held_out = load_sequences(HERE / "heldout_answers.jsonl")
-        questions = [json.loads(line)["turns"][0] for line in
-                     (HERE / "heldout_conversations.jsonl").read_text().splitlines()[:LIVE_QUESTIONS]]
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                 return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
+        prompts = calibration_prompts(tokenizer, LIVE_QUESTIONS)  # the first questions of held-out conversations
     for key, snap, point in todo:
         row = rows.get(key) or dict(point, run=key[0], total_answer_tokens=EARLIER_TOKENS + point["answer_tokens"])
         for drafter_name in DRAFTERS:  # the columns the row lacks
@@ -280,8 +278,11 @@ def live_tau(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) -> 
     """Tokens per target forward of greedy `generate` with a fixed chain: decoding as users run it, where the
     teacher-forced measure scores the drafter on the target's own answers."""
     drafter.generation_config.update(speculation_mode="chain", num_assistant_tokens=LIVE_CHAIN)
-    counts = live_counts(target, drafter, prompts)
-    return sum(t for t, _ in counts) / sum(f for _, f in counts)
+    return pooled_tau(live_counts(target, drafter, prompts))
+
+
+def pooled_tau(counts: list[tuple[int, int]]) -> float:
+    return sum(tokens for tokens, _ in counts) / sum(forwards for _, forwards in counts)
 
 
 def live_counts(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -300,8 +301,7 @@ def mtbench(folder: Path, run_name: str, step: int, questions: int) -> None:
     question: the benchmark's measure, in each drafter's tuned shape (held fixed) and its decoding dtype."""
     target, tokenizer = load_packaged_model(TARGET)
     turns = [json.loads(line)["turns"][0] for line in (HERE / "prompts" / "mt_bench.jsonl").open()][:questions]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"] for q in turns]
+    prompts = chat_prompts(tokenizer, turns)
     snapshot = folder / run_name / "snapshots" / f"step_{step:06d}"
     for name in DRAFTERS:
         taus = []
@@ -309,7 +309,7 @@ def mtbench(folder: Path, run_name: str, step: int, questions: int) -> None:
             drafter = Eagle3DraftModel.from_pretrained(path).to(drafting_dtype(target))
             counts = live_counts(target, drafter, prompts)
             taus.append([t / f for t, f in counts])
-            print(f"{name} {path}: tau {sum(t for t, _ in counts) / sum(f for _, f in counts):.3f}", flush=True)
+            print(f"{name} {path}: tau {pooled_tau(counts):.3f}", flush=True)
         gains = [new - old for old, new in zip(*taus)]
         spread = statistics.stdev(gains) / len(gains) ** 0.5
         print(f"{name}: snapshot - shipped, per question: {statistics.mean(gains):+.3f} +- {spread:.3f} (standard "
@@ -347,7 +347,8 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
             points = [start] + [rows[key] for key in sorted(rows) if key[0] == run]
             for drafter, (_, color) in drafters.items():
                 ax.plot([int(r["total_answer_tokens"]) / 1e6 for r in points],
-                        [float(r[f"{drafter}_{measure}"]) for r in points], marker="o", linestyle=styles[run], color=color)
+                        [float(r[f"{drafter}_{measure}"]) for r in points], marker="o", linestyle=styles[run],
+                        color=color)
         ax.set_title(f"held-out tau, {title}, chain of 8")
         ax.set_xlabel("answer tokens seen (M; the shipped drafters' 3.12M included)")
     handles = [Line2D([], [], color=color, marker="o", label=label) for label, color in drafters.values()]

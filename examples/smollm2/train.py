@@ -204,8 +204,13 @@ def calibration_prompts(tokenizer, count: int = CALIBRATION_PROMPTS) -> list[tor
     """The first questions of held-out ShareGPT conversations, through the chat template: what tuning measures
     acceptance on (never a benchmark prompt)."""
     prompts = [json.loads(line) for line in (HERE / "heldout_conversations.jsonl").read_text().splitlines()][:count]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
+    return chat_prompts(tokenizer, [p["turns"][0] for p in prompts])
+
+
+def chat_prompts(tokenizer, questions: list[str]) -> list[torch.Tensor]:
+    """Each question as a one-turn chat through the chat template: `[1, n]` ids for `generate`."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
 
 
 def tune(target, tokenizer, names: list[str]) -> None:

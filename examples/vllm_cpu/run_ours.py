@@ -43,7 +43,8 @@ def main() -> None:
     rows = []
     with contextlib.ExitStack() as packing:
         if args.pack_once and drafter:
-            packing.enter_context(packed_weights(target)), packing.enter_context(packed_weights(drafter))
+            packing.enter_context(packed_weights(target))
+            packing.enter_context(packed_weights(drafter))
         target.generate(torch.tensor([prompts[0]]), max_new_tokens=16, **greedy)  # warm-up, not counted
         for ids in prompts:
             started = time.perf_counter()
