@@ -12,9 +12,11 @@ reordered and its own storage released, and when the last call ends the packed c
 back, a permutation, so the target gets bit for bit its own weights. Memory grows by one layer's
 weight at most, and plain decoding outside EAGLE runs on the target's own weights, untouched.
 A weight shared with another module (an LM head tied to the embedding) stays as it is, and its
-product is taken transposed, `(W @ x^T)^T`: MKL multiplies a tall weight by a few columns at the
-memory's rate where it multiplies a few rows by it slowly (SmolLM2's head: 3 ms instead of 25 ms
-for 2 rows on the 2-core CPU). Under torch.compile a packed product is a custom op, which dynamo
+product is taken transposed, `(W @ x^T)^T`, the weight's rows being the product's batch: a tall
+weight times a few columns runs at the memory's rate where a few rows times it run slowly. In fp32
+MKL does that best for 2-4 rows (SmolLM2's head: 3-6 ms against 25 ms the plain way, on the 2-core
+CPU) and oneDNN for one row and for more than 4 (4.8-7.4 ms for 1-16 rows, where MKL's takes 10 ms
+for one and 16-20 ms from 10: the jump that made trees of 10 or more tokens cost 1.5 plain steps). Under torch.compile a packed product is a custom op, which dynamo
 calls without tracing into the packed weight (an mkldnn tensor it cannot trace).
 """
 
@@ -33,6 +35,7 @@ from hf_eagle31.verification import exact_mode_active
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size
+SMALL_TRANSPOSED = 4  # up to this many rows (from 2) MKL multiplies a tied fp32 weight transposed faster than oneDNN
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -76,9 +79,17 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _transposed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if exact_mode_active() or x.shape[-2] == 1:
+    rows = x.reshape(-1, x.shape[-1])
+    if exact_mode_active():
         return F.linear(x, self.weight, self.bias)
-    out = torch.mm(self.weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
+    if self.weight.dtype == torch.float32 and not 2 <= rows.shape[0] <= SMALL_TRANSPOSED and \
+            not torch.compiler.is_compiling():
+        out = torch.ops.mkldnn._linear_pointwise(self.weight, rows.contiguous(), None, "none", [], "").t()
+    elif rows.shape[0] == 1:
+        return F.linear(x, self.weight, self.bias)
+    else:
+        out = torch.mm(self.weight, rows.t()).t()
+    out = out.reshape(*x.shape[:-1], -1)
     return out if self.bias is None else out + self.bias
 
 

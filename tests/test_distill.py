@@ -1,6 +1,7 @@
 """Reading chat data and self-distillation, against references: plain one-prompt `generate` for every
 answer, a straight run for a resumed one, hand-written records for the parser."""
 
+import copy
 import json
 
 import pytest
@@ -101,6 +102,9 @@ def test_an_interrupted_distillation_resumes_at_the_first_missing_chunk(target, 
     with pytest.raises(ValueError, match="other settings"):
         distill_to_folder(target, tokenizer, conversations, tmp_path / "resumed",
                           DistillSettings(max_length=100, max_new_tokens=7, batch_size=4), chunk_size=2)
+    with pytest.raises(ValueError, match="other dtype"):  # a bf16 target writes other answers than an fp32 one
+        distill_to_folder(copy.deepcopy(target).to(torch.bfloat16), tokenizer, conversations, tmp_path / "resumed",
+                          settings, chunk_size=2)
     assert len(read_examples(tmp_path / "resumed").sequences) == 5  # the folder is training data as it is
 
 

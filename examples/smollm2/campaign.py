@@ -62,6 +62,7 @@ GIVEN_CHUNK, SELF_CHUNK = 256, 128  # conversations a chunk
 SPLIT = 8192  # fresh conversations past this one are left to self-distillation (round 2 trains on given ones below)
 BATCH, WARMUP, SEED = 2, 100, 0
 CURVE = HERE / "campaign" / "curve.csv"
+OWN = HERE / "campaign" / "selfdistilled"  # the target's own answers: token ids, committed (hours of CPU each)
 COLUMNS = ["run", "step", "sequences", "answer_tokens", "self_distilled_tokens", "total_answer_tokens", "cpu_hours",
            "eagle3_tau", "eagle31_tau", "eagle3_acc1", "eagle31_acc1", "eagle3_live_tau", "eagle31_live_tau"]
 LIVE_QUESTIONS, LIVE_TOKENS, LIVE_CHAIN = 8, 128, 8  # live tau: generate on held-out questions, a fixed chain
@@ -99,20 +100,22 @@ def data(folder: Path) -> None:
     print(json.dumps(report.__dict__))
 
 
-def distill(folder: Path) -> None:
+def distill() -> None:
     """The target's own greedy answers (first two turns, as in distilled/) to the fresh conversations past SPLIT,
-    at one thread beside training, a chunk at a time with its CPU time (`cpu.jsonl`: the chunk log's seconds are
-    wall time, which counts the pauses for quiet measurements). Chunks are written whole: stop at will, rerun."""
+    written by the target in bf16, at one thread beside training, a chunk at a time with its CPU time (`cpu.log`:
+    the chunk log's seconds are wall time, which counts the pauses for quiet measurements). Chunks are written whole
+    into `OWN`, committed: stop at will, rerun (in any later session)."""
     torch.set_num_threads(1)
     target, tokenizer = load_packaged_model(TARGET)
-    pool, out = fresh_conversations()[SPLIT:], folder / "selfdistilled"
+    target.to(torch.bfloat16)  # 1.8x the fp32 rate here (AVX-512 BF16), as EAGLE regenerates its data in bf16 on GPUs
+    pool, out = fresh_conversations()[SPLIT:], OWN
     while True:
         chunks, started = sorted(out.glob("chunk_*.jsonl")), time.process_time()
         done = sum(sum(s.loss_mask) for path in chunks for s in load_sequences(path))  # distill_to_folder's count
         distill_to_folder(target, tokenizer, pool, out, SELF_SETTINGS, token_budget=done + 1, chunk_size=SELF_CHUNK)
         if len(list(out.glob("chunk_*.jsonl"))) == len(chunks):  # the budget stops it after one more chunk
             return
-        with (out / "cpu.jsonl").open("a") as log:
+        with (out / "cpu.log").open("a") as log:
             log.write(json.dumps({"chunk": len(chunks), "cpu_seconds": time.process_time() - started}) + "\n")
 
 
@@ -152,9 +155,9 @@ class SelfDistilled:
 
     def seconds_per_token(self) -> float:
         """What the distiller spent per answer token, in CPU time (it counts against the run's budget)."""
-        if not (self.folder / "cpu.jsonl").exists():
+        if not (self.folder / "cpu.log").exists():
             return 0.0
-        timed = {e["chunk"]: e["cpu_seconds"] for e in read_jsonl(self.folder / "cpu.jsonl")}
+        timed = {e["chunk"]: e["cpu_seconds"] for e in read_jsonl(self.folder / "cpu.log")}
         tokens = sum(e["answer_tokens"] for e in read_jsonl(self.folder / "chunks.log") if e["chunk"] in timed)
         return sum(timed.values()) / max(1, tokens)
 
@@ -165,7 +168,7 @@ def train(folder: Path, run_name: str, hours: float, until_step: int | None, sna
     run, work = RUNS[run_name], folder / run_name
     target, _ = load_packaged_model(TARGET)
     target.requires_grad_(False).eval()
-    given, own = given_batches(folder, run), SelfDistilled(folder / "selfdistilled")
+    given, own = given_batches(folder, run), SelfDistilled(OWN)
     total = int(len(given) / (1 - run.self_distilled))  # the schedule's length: every given batch once
     last, config = min(total, until_step or total), run.config()
     drafters = {name: Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32) for name in DRAFTERS}
@@ -370,7 +373,7 @@ def main() -> int:
     parser.add_argument("stage", choices=["data", "distill", "train", "curve", "mtbench"])
     parser.add_argument("--run", choices=RUNS, default="round2", help="train, curve: which run (RUNS)")
     parser.add_argument("--folder", type=Path, default=Path("runs/smollm2/campaign"),
-                        help="data (data/, selfdistilled/) and each run's checkpoints and snapshots")
+                        help="data (ShareGPT's answers, rebuilt by `data`) and each run's checkpoints and snapshots")
     parser.add_argument("--hours", type=float, default=2.0, help="train: stop (checkpointed) after this long")
     parser.add_argument("--until-step", type=int, help="train: stop (checkpointed) at this step")
     parser.add_argument("--step", type=int, help="mtbench: the snapshot's step")
@@ -382,7 +385,7 @@ def main() -> int:
     if args.stage == "data":
         data(args.folder)
     elif args.stage == "distill":
-        distill(args.folder)
+        distill()
     elif args.stage == "train":
         train(args.folder, args.run, args.hours, args.until_step, args.snapshot_every, args.save_every)
     elif args.stage == "mtbench":

@@ -221,11 +221,12 @@ def distill_to_folder(
     folder.mkdir(parents=True, exist_ok=True)
     manifest = {"settings": asdict(settings), "conversations": fingerprint(conversations, answers == "given"),
                 "chunk_size": chunk_size, "answers": answers,
-                "target": model_name(target)}
+                "target": model_name(target), "dtype": str(target.dtype).removeprefix("torch.")}
     saved = folder / MANIFEST
     if saved.exists():
-        previous = {"answers": "target"} | json.loads(saved.read_text())  # older manifests: the target answered
-        changed = [key for key in ("settings", "conversations", "chunk_size", "answers")
+        # older manifests: the target answered, in float32
+        previous = {"answers": "target", "dtype": "float32"} | json.loads(saved.read_text())
+        changed = [key for key in ("settings", "conversations", "chunk_size", "answers", "dtype")
                    if previous.get(key) != manifest[key]]
         if changed:
             raise ValueError(f"{folder} holds distilled chunks made with other {' and '.join(changed)}; resume with "
