@@ -31,6 +31,28 @@ def test_packed_forward_matches_the_default_path_and_unpacking_restores_every_bi
     assert torch.equal(target(PROMPTS[:2]).logits, reference)
 
 
+def test_siblings_are_one_product_and_each_takes_its_own_output():
+    """q/k/v and gate/up are packed stacked: the first called computes all, the others take theirs; called with
+    another input, or the same one changed in place since, a sibling computes again."""
+    target = make_target(seed=5)
+    attention = target.model.layers[0].self_attn
+    x = torch.randn(1, 3, target.config.hidden_size)
+    expected = {name: getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
+    with packed_weights(target):
+        group = attention.q_proj.packed
+        assert attention.k_proj.packed is group and attention.v_proj.packed is group
+        assert target.model.layers[0].mlp.gate_proj.packed is target.model.layers[0].mlp.up_proj.packed
+        assert group.sizes == [m.out_features for m in (attention.q_proj, attention.k_proj, attention.v_proj)]
+        for order in (("q_proj", "k_proj", "v_proj"), ("v_proj", "q_proj", "k_proj")):
+            for name in order:
+                assert torch.allclose(getattr(attention, name)(x), expected[name], atol=1e-5, rtol=1e-4)
+            assert group.pending is None  # all taken: nothing held
+        attention.q_proj(x)
+        x.mul_(2)  # the same tensor, other values: k must not come from the product before
+        assert torch.allclose(attention.k_proj(x), 2 * expected["k_proj"], atol=1e-5, rtol=1e-4)
+        assert torch.allclose(attention.k_proj(x / 2), expected["k_proj"], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("length", [1, 3, 5, 9])  # MKL's transposed product for 2-4 rows, oneDNN's otherwise
 def test_weights_tied_to_another_module_stay_as_they_are_and_compute_the_same(length):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -40,7 +62,7 @@ def test_weights_tied_to_another_module_stay_as_they_are_and_compute_the_same(le
     ids = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 23, 29][:length]])
     reference = model(ids).logits
     swapped = pack_linears(model)
-    assert not hasattr(model.lm_head, "packed_weight") and torch.isfinite(model.model.embed_tokens.weight).all()
+    assert not hasattr(model.lm_head, "packed") and torch.isfinite(model.model.embed_tokens.weight).all()
     assert torch.allclose(model(ids).logits, reference, atol=1e-5, rtol=1e-4)  # the head multiplied transposed
     unpack_linears(swapped)
     assert "forward" not in vars(model.lm_head) and torch.equal(model(ids).logits, reference)
@@ -50,15 +72,15 @@ def test_an_eagle_call_leaves_the_target_as_it_found_it():
     target, drafter = trained_pair("llama", eagle31=True)
     before = snapshot(target)
     with packed_weights(target):
-        assert any(hasattr(m, "packed_weight") for m in target.modules())
+        assert any(hasattr(m, "packed") for m in target.modules())
     after = snapshot(target)
     assert all(torch.equal(before[name], after[name]) for name in before)
-    assert not any(hasattr(m, "packed_weight") for m in target.modules())
+    assert not any(hasattr(m, "packed") for m in target.modules())
     drafted_before = snapshot(drafter)
     target.generate(PROMPTS[:1], assistant_model=drafter, do_sample=False, max_new_tokens=12)
     assert all(torch.equal(before[name], t) for name, t in snapshot(target).items())
     assert all(torch.equal(drafted_before[name], t) for name, t in snapshot(drafter).items())
-    assert not any(hasattr(m, "packed_weight") for m in drafter.modules())
+    assert not any(hasattr(m, "packed") for m in drafter.modules())
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -73,11 +95,11 @@ def test_greedy_on_packed_weights_equals_plain_generate(mode):
 def test_nested_calls_pack_once_and_unpack_with_the_last():
     target = make_target(seed=4)
     with packed_weights(target):
-        first = [m.packed_weight for m in target.modules() if hasattr(m, "packed_weight")]
+        first = [m.packed.weight for m in target.modules() if hasattr(m, "packed")]
         with packed_weights(target):
-            assert [m.packed_weight for m in target.modules() if hasattr(m, "packed_weight")] == first
-        assert all(hasattr(m, "packed_weight") for m in target.modules() if isinstance(m, torch.nn.Linear))
-    assert not any(hasattr(m, "packed_weight") for m in target.modules())
+            assert [m.packed.weight for m in target.modules() if hasattr(m, "packed")] == first
+        assert all(hasattr(m, "packed") for m in target.modules() if isinstance(m, torch.nn.Linear))
+    assert not any(hasattr(m, "packed") for m in target.modules())
 
 
 def test_a_serving_loop_packs_once_for_all_its_calls_and_refuses_a_save_inside(monkeypatch, tmp_path):
@@ -101,7 +123,7 @@ def test_models_that_cannot_be_packed_are_left_alone():
     assert not can_pack(make_target(dtype=torch.float16))
     target = make_target(seed=5, dtype=torch.float16)
     with packed_weights(target):
-        assert not any(hasattr(m, "packed_weight") for m in target.modules())
+        assert not any(hasattr(m, "packed") for m in target.modules())
 
 
 def test_a_call_under_inference_mode_leaves_ordinary_weights_the_target_can_train_on():
@@ -128,4 +150,4 @@ def test_a_failure_while_packing_gives_every_weight_back(monkeypatch):
         pack_linears(target)
     assert len(calls) == 5
     assert all(torch.equal(before[name], t) for name, t in snapshot(target).items())
-    assert not any("forward" in vars(m) or hasattr(m, "packed_weight") for m in target.modules())
+    assert not any("forward" in vars(m) or hasattr(m, "packed") for m in target.modules())
