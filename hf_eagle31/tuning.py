@@ -20,6 +20,7 @@ smaller shape of the family.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from hf_eagle31.packing import packed_weights
 from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
+TUNING_ROUNDS = 3  # passes over every cost measured for tuning, the median kept
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -70,29 +72,34 @@ def verify_cost_curve(
     repeats: int = 5,
     mode: str = "batched",
     pack: bool = False,
+    rounds: int = 1,
 ) -> dict[int, float]:
-    """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
+    """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n: the best of
+    `repeats`, the median over `rounds` passes over every size (a shared CPU drifts in speed over seconds; a
+    pass sees each size in the same minute, so the curve keeps its shape where a one-pass curve bends with it).
 
     Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
     mask, the drafter's features captured, on packed weights if `pack` (packing.py).
     """
     device = target.device
     prompt = torch.randint(3, target.config.get_text_config().vocab_size, (1, context), device=device)
-    costs = {}
+    costs = {n: [] for n in sizes}
     with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
-        for n in sizes:
-            tree = _bushy_tree(n, depth, device)
-            plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
+        for _ in range(rounds):
+            for n in sizes:
+                tree = _bushy_tree(n, depth, device)
+                plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
 
-            def forward():
-                verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None], target_layer_ids)
-                cache.crop(-n)
+                def forward():
+                    verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None],
+                                   target_layer_ids)
+                    cache.crop(-n)
 
-            forward()  # warm-up
-            costs[n] = _best_of(forward, repeats)
-    return costs
+                forward()  # warm-up
+                costs[n].append(_best_of(forward, repeats))
+    return {n: statistics.median(times) for n, times in costs.items()}
 
 
 @torch.no_grad()
@@ -249,11 +256,12 @@ def choose_tree_shape(
     mode = verify_mode(drafter)
     pack = packs_weights(drafter)
     layer_ids = drafter.config.target_layer_ids
-    curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack)
-    plain = verify_cost_curve(target, [1], layer_ids, context=context)[1] if pack else curve[1]
+    curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack, rounds=TUNING_ROUNDS)
+    plain = verify_cost_curve(target, [1], layer_ids, context=context, rounds=TUNING_ROUNDS)[1] if pack else curve[1]
     with packed_weights(drafter, pack):
-        drafts = {k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
-                  for k in ranks_by_top_k}
+        rounds = [{k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
+                   for k in ranks_by_top_k} for _ in range(TUNING_ROUNDS)]
+    drafts = {k: {d: statistics.median(r[k][d] for r in rounds) for d in depths} for k, depths in rounds[0].items()}
     return TuningReport(curve, drafts, plain, rank_candidates(curve, drafts, ranks_by_top_k, plain), ranks_by_top_k)
 
 
