@@ -20,7 +20,6 @@ smaller shape of the family.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ from hf_eagle31.packing import packed_weights
 from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
-TUNING_ROUNDS = 3  # passes over every cost measured for tuning, the median kept
+TUNING_ROUNDS = 3  # passes over every cost measured for tuning (`verify_cost_curve`)
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -75,8 +74,9 @@ def verify_cost_curve(
     rounds: int = 1,
 ) -> dict[int, float]:
     """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n: the best of
-    `repeats`, the median over `rounds` passes over every size (a shared CPU drifts in speed over seconds; a
-    pass sees each size in the same minute, so the curve keeps its shape where a one-pass curve bends with it).
+    `repeats` in each of `rounds` passes over every size. Why passes: a shared CPU drifts in speed over seconds,
+    and noise only adds time, so each size's best over passes in different minutes keeps the curve's shape
+    where a single pass bends it (on the 2-core CPU, tuning picked a chain over a tree on a dip at one size).
 
     Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
     mask, the drafter's features captured, on packed weights if `pack` (packing.py).
@@ -99,7 +99,7 @@ def verify_cost_curve(
 
                 forward()  # warm-up
                 costs[n].append(_best_of(forward, repeats))
-    return {n: statistics.median(times) for n, times in costs.items()}
+    return {n: min(times) for n, times in costs.items()}
 
 
 @torch.no_grad()
@@ -261,7 +261,7 @@ def choose_tree_shape(
     with packed_weights(drafter, pack):
         rounds = [{k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
                    for k in ranks_by_top_k} for _ in range(TUNING_ROUNDS)]
-    drafts = {k: {d: statistics.median(r[k][d] for r in rounds) for d in depths} for k, depths in rounds[0].items()}
+    drafts = {k: {d: min(r[k][d] for r in rounds) for d in depths} for k, depths in rounds[0].items()}
     return TuningReport(curve, drafts, plain, rank_candidates(curve, drafts, ranks_by_top_k, plain), ranks_by_top_k)
 
 

@@ -24,8 +24,10 @@ def main() -> None:
     parser = run_arguments(__doc__, "a drafter folder (any layout)", "num_assistant_tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--drafter-dtype", default="", help="default: bf16 where the CPU computes it (drafting_dtype)")
-    parser.add_argument("--tuned", action="store_true", help="the drafter's own tuned shape (its generation config: a "
-                        "tree for the shipped heads) instead of a chain of --tokens")
+    parser.add_argument("--tuned", action="store_true", help="the drafter's own tuned shape (its generation config) "
+                        "instead of a chain of --tokens")
+    parser.add_argument("--mode", choices=["chain", "tree"], help="with --tuned: this mode in its tuned shape (the "
+                        "drafter keeps its best chain and best tree) instead of the faster one")
     parser.add_argument("--pack-once", action="store_true", help="pack the weights once for all questions")
     args = parser.parse_args()
 
@@ -33,10 +35,14 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     drafter = None
     if args.drafter:
-        shape = {} if args.tuned else {"speculation_mode": "chain", "num_assistant_tokens": args.tokens}
+        shape = {"speculation_mode": "chain", "num_assistant_tokens": args.tokens}
+        if args.tuned:
+            shape = {"speculation_mode": args.mode} if args.mode else {}
         drafter = Eagle3DraftModel.from_pretrained(args.drafter, dynamic_speculation=False, collapse_fallback=False,
                                                    **shape)
-        args.tokens = drafter.generation_config.tree_depth if args.tuned else args.tokens  # per-position counters
+        config = drafter.generation_config
+        if args.tuned:  # per-position counters
+            args.tokens = config.tree_depth if config.speculation_mode == "tree" else config.num_assistant_tokens
         drafter = drafter.to(getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)).eval()
     prompts = question_ids(args.target, args.questions)
     greedy = {"do_sample": False, "assistant_model": drafter} if drafter else {"do_sample": False}
@@ -59,9 +65,8 @@ def main() -> None:
             rows.append(row)
     shape = None
     if drafter is not None and args.tuned:
-        config = drafter.generation_config
-        shape = (f"{config.speculation_mode}: top-k {config.tree_top_k}, depth {config.tree_depth}, "
-                 f"{config.tree_total_tokens} tokens")
+        shape = (f"tree: top-k {config.tree_top_k}, depth {config.tree_depth}, {config.tree_total_tokens} tokens"
+                 if config.speculation_mode == "tree" else f"chain of {config.num_assistant_tokens}")
     write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None,
                  shape=shape, packed_once=bool(args.pack_once and drafter))
 
