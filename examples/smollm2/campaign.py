@@ -100,23 +100,27 @@ def data(folder: Path) -> None:
     print(json.dumps(report.__dict__))
 
 
-def distill() -> None:
+def distill(process: int, processes: int) -> None:
     """The target's own greedy answers (first two turns, as in distilled/) to the fresh conversations past SPLIT,
     written by the target in bf16, at one thread beside training, a chunk at a time with its CPU time (`cpu.log`:
     the chunk log's seconds are wall time, which counts the pauses for quiet measurements). Chunks are written whole
-    into `OWN`, committed: stop at will, rerun (in any later session)."""
+    into `OWN`, committed: stop at will, rerun (in any later session). With `processes` > 1 this process writes the
+    chunks `i` with `i % processes == process`, so that more cores distil at once."""
     torch.set_num_threads(1)
     target, tokenizer = load_packaged_model(TARGET)
     target.to(torch.bfloat16)  # 1.8x the fp32 rate here (AVX-512 BF16), as EAGLE regenerates its data in bf16 on GPUs
     pool, out = fresh_conversations()[SPLIT:], OWN
+    mine = lambda: {p.name for p in out.glob("chunk_*.jsonl") if int(p.stem[6:]) % processes == process}  # noqa: E731
     while True:
-        chunks, started = sorted(out.glob("chunk_*.jsonl")), time.process_time()
-        done = sum(sum(s.loss_mask) for path in chunks for s in load_sequences(path))  # distill_to_folder's count
-        distill_to_folder(target, tokenizer, pool, out, SELF_SETTINGS, token_budget=done + 1, chunk_size=SELF_CHUNK)
-        if len(list(out.glob("chunk_*.jsonl"))) == len(chunks):  # the budget stops it after one more chunk
+        before, started = mine(), time.process_time()
+        done = sum(sum(s.loss_mask) for path in out.glob("chunk_*.jsonl") for s in load_sequences(path))
+        distill_to_folder(target, tokenizer, pool, out, SELF_SETTINGS, token_budget=done + 1, chunk_size=SELF_CHUNK,
+                          process_index=process, num_processes=processes)
+        written = mine() - before
+        if not written:  # the budget stops it after one more chunk: none means every chunk of this process is done
             return
         with (out / "cpu.log").open("a") as log:
-            log.write(json.dumps({"chunk": len(chunks), "cpu_seconds": time.process_time() - started}) + "\n")
+            log.write(json.dumps({"chunk": int(written.pop()[6:-6]), "cpu_seconds": time.process_time() - started}) + "\n")
 
 
 def given_batches(folder: Path, run: Run) -> list[list[TrainingSequence]]:
@@ -148,6 +152,7 @@ class SelfDistilled:
     def __getitem__(self, index: int) -> list[TrainingSequence] | None:
         if index >= len(self.batches):
             paths = sorted(self.folder.glob("chunk_*.jsonl"))
+            paths = [p for number, p in enumerate(paths) if p.name == f"chunk_{number:05d}.jsonl"]  # whole from 0 on
             for number, path in enumerate(paths[self.chunks :], self.chunks):
                 self.batches += shuffled_batches(fit_length(load_sequences(path), SELF_SETTINGS.max_length), SEED + number)
             self.chunks = len(paths)
@@ -375,6 +380,8 @@ def main() -> int:
     parser.add_argument("--folder", type=Path, default=Path("runs/smollm2/campaign"),
                         help="data (ShareGPT's answers, rebuilt by `data`) and each run's checkpoints and snapshots")
     parser.add_argument("--hours", type=float, default=2.0, help="train: stop (checkpointed) after this long")
+    parser.add_argument("--process", type=int, default=0, help="distill: this process's index (of --processes)")
+    parser.add_argument("--processes", type=int, default=1, help="distill: processes writing chunks at once")
     parser.add_argument("--until-step", type=int, help="train: stop (checkpointed) at this step")
     parser.add_argument("--step", type=int, help="mtbench: the snapshot's step")
     parser.add_argument("--questions", type=int, default=40, help="mtbench: its first questions")
@@ -385,7 +392,7 @@ def main() -> int:
     if args.stage == "data":
         data(args.folder)
     elif args.stage == "distill":
-        distill()
+        distill(args.process, args.processes)
     elif args.stage == "train":
         train(args.folder, args.run, args.hours, args.until_step, args.snapshot_every, args.save_every)
     elif args.stage == "mtbench":
