@@ -82,7 +82,9 @@ class Run:
 
 
 RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT), "round3": Run(1e-4, 0.5, SPLIT, 16384),
-        "round4": Run(1e-4, 0.5, SPLIT, ttt_steps=7), "round5": Run(1e-4, 0.5, SPLIT, lk_eta=3.0)}
+        "round4": Run(1e-4, 0.5, SPLIT, ttt_steps=7), "round5": Run(1e-4, 0.5, SPLIT, lk_eta=3.0),
+        "round6": Run(1e-4, 0.5, SPLIT)}  # round 2 again from the shipped drafters (its state was lost with runs/),
+# its own answers now written by the bf16 target: at equal steps it measures whether bf16-written answers teach alike
 
 
 def fresh_conversations() -> list:
@@ -346,7 +348,7 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    start, styles = rows[("shipped", 0)], dict(zip(RUNS, ("-", "--", ":", "-.", (0, (1, 4)))))
+    start, styles = rows[("shipped", 0)], dict(zip(RUNS, ("-", "--", ":", "-.", (0, (1, 4)), (0, (5, 1, 1, 1)))))
     drafters = {"eagle3": ("EAGLE-3", "tab:blue"), "eagle31": ("EAGLE 3.1", "tab:orange")}
     plotted = [run for run in RUNS if any(key[0] == run for key in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharex=True)
