@@ -33,7 +33,7 @@ from hf_eagle31.packing import packed_weights
 from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
-TUNING_ROUNDS = 3  # passes over every cost measured for tuning (`verify_cost_curve`)
+TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain step, drafts in turn); each keeps its best
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -256,12 +256,17 @@ def choose_tree_shape(
     mode = verify_mode(drafter)
     pack = packs_weights(drafter)
     layer_ids = drafter.config.target_layer_ids
-    curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack, rounds=TUNING_ROUNDS)
-    plain = verify_cost_curve(target, [1], layer_ids, context=context, rounds=TUNING_ROUNDS)[1] if pack else curve[1]
-    with packed_weights(drafter, pack):
-        rounds = [{k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
-                   for k in ranks_by_top_k} for _ in range(TUNING_ROUNDS)]
-    drafts = {k: {d: min(r[k][d] for r in rounds) for d in depths} for k, depths in rounds[0].items()}
+    passes = []
+    for _ in range(TUNING_ROUNDS):  # the three costs in turn in each pass: a slow minute slows them alike
+        curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack)
+        plain = verify_cost_curve(target, [1], layer_ids, context=context)[1] if pack else curve[1]
+        with packed_weights(drafter, pack):
+            drafts = {k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
+                      for k in ranks_by_top_k}
+        passes.append((curve, plain, drafts))
+    curve = {n: min(p[0][n] for p in passes) for n in sizes}
+    plain = min(p[1] for p in passes)
+    drafts = {k: {d: min(p[2][k][d] for p in passes) for d in depths} for k, depths in passes[0][2].items()}
     return TuningReport(curve, drafts, plain, rank_candidates(curve, drafts, ranks_by_top_k, plain), ranks_by_top_k)
 
 
