@@ -112,7 +112,10 @@ def distill(process: int, processes: int) -> None:
     target, tokenizer = load_packaged_model(TARGET)
     target.to(torch.bfloat16)  # 1.8x the fp32 rate here (AVX-512 BF16), as EAGLE regenerates its data in bf16 on GPUs
     pool, out = fresh_conversations()[SPLIT:], OWN
-    mine = lambda: {p.name for p in out.glob("chunk_*.jsonl") if int(p.stem[6:]) % processes == process}  # noqa: E731
+
+    def mine() -> set[str]:
+        return {p.name for p in out.glob("chunk_*.jsonl") if int(p.stem[6:]) % processes == process}
+
     while True:
         before, started = mine(), time.process_time()
         done = sum(sum(s.loss_mask) for path in out.glob("chunk_*.jsonl") for s in load_sequences(path))
