@@ -61,8 +61,8 @@ def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path):
     results = run_all(target, prompts, methods, max_new_tokens=24, progress=False)
     assert [r.name for r in results] == [m.name for m in methods]
     assert results[0].speedup == 1.0 and results[0].tau(len(prompts)) == pytest.approx(1.0)
-    assert all(r.identical_to_target for r in results[1:])
-    assert all(r.new_tokens == 2 * 24 for r in results)
+    assert all(r.identical_to_target and r.identical_prompts == len(prompts) for r in results[1:])
+    assert results[0].identical_prompts is None and all(r.new_tokens == 2 * 24 for r in results)
     assert results[3].tau(len(prompts)) > 1.5 and results[3].acceptance_per_depth[0] > 0.5
     payload = write_results(tmp_path, results, len(prompts), {"date": "today"}, {})
     assert json.loads((tmp_path / "results.json").read_text())["methods"][3]["name"] == "EAGLE 3.1 tree"
@@ -160,19 +160,21 @@ def test_projection_to_a_real_shape_measures_and_extrapolates():
 
 
 def test_datasets_combine_and_the_bound_by_hand():
-    from hf_eagle31.bench.report import bound
+    from hf_eagle31.bench.report import bound, markdown_table
     from hf_eagle31.bench.runner import MethodResult, combine
 
     shape = {"speculation_mode": "chain", "num_assistant_tokens": 3, "tree_top_k": 10, "tree_depth": 6,
              "tree_total_tokens": 60}
     a = [MethodResult("target alone", 22, 2.0, 22, 10, True), MethodResult("EAGLE 3.1 chain", 22, 1.0, 9, 30, True,
-                                                                            [8, 6], [6, 3], shape)]
+                                                                            [8, 6], [6, 3], shape, identical_prompts=1)]
     b = [MethodResult("target alone", 42, 4.0, 42, 20, True), MethodResult("EAGLE 3.1 chain", 42, 1.0, 12, 5, False,
-                                                                            [10], [9], shape)]
+                                                                            [10], [9], shape, identical_prompts=0)]
     overall = combine([a, b])
     assert [r.new_tokens for r in overall] == [64, 64] and overall[1].target_forwards == 21
     assert overall[1].reached == [18, 6] and overall[1].accepted == [15, 3]
     assert overall[1].peak_memory_bytes == 30 and overall[1].identical_to_target is False
+    assert overall[1].identical_prompts == 1 and overall[0].identical_prompts is None  # a part without counts
+    assert "| **NO** (1/2) |" in markdown_table(overall, 2)
     assert overall[1].speedup == pytest.approx((64 / 2.0) / (64 / 6.0))
     # tau over 2 prompts: (64 - 2) / (21 - 2); the matching candidate costs t1 / (t_verify + t_draft) = 0.5
     tuning = {"EAGLE 3.1": {"candidates": [{"tree_top_k": 1, "tree_depth": 3, "tree_total_tokens": 3, "tau": 2.0,

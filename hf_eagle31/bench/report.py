@@ -33,6 +33,7 @@ def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | Non
     for r in results:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_depth[:8]) or "-"
         identical = "-" if r.identical_to_target is None else ("yes" if r.identical_to_target else "**NO**")
+        identical += "" if r.identical_prompts is None else f" ({r.identical_prompts}/{prompts})"
         memory = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.0f}"
         limit = bound(r, tuning or {}, prompts)
         reach = "-" if limit is None else f"{limit:.2f}x ({r.speedup / limit:.0%})"
@@ -113,6 +114,7 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict) -> list[dict]
             "target_forwards": r.target_forwards,
             "peak_memory_bytes": r.peak_memory_bytes,
             "identical_to_target": r.identical_to_target,
+            "identical_prompts": r.identical_prompts,
             "speculation": r.speculation,
             "bound": bound(r, tuning, prompts),
         }

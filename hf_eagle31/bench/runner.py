@@ -48,6 +48,7 @@ class MethodResult:
     accepted: list[int] = field(default_factory=list)  # of those, how many were accepted
     speculation: dict = field(default_factory=dict)
     speedup: float | None = None
+    identical_prompts: int | None = None  # how many prompts' outputs equal the baseline's (None: not compared)
 
     @property
     def tokens_per_second(self) -> float:
@@ -150,7 +151,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
                 reached = _add(reached, stats.reached)
                 accepted = _add(accepted, stats.accepted)
     new_tokens = sum(o.shape[1] - p.shape[1] for o, p in zip(outputs, prompts))
-    identical = None if reference is None or temperature > 0 else all(torch.equal(o, r) for o, r in zip(outputs, reference))
+    matches = None if reference is None or temperature > 0 else [torch.equal(o, r) for o, r in zip(outputs, reference)]
     used = method.drafter.generation_config if method.drafter is not None else None
     result = MethodResult(
         name=method.name,
@@ -158,7 +159,8 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
         seconds=seconds,
         target_forwards=forwards[0],
         peak_memory_bytes=memory["bytes"],
-        identical_to_target=identical,
+        identical_to_target=None if matches is None else all(matches),
+        identical_prompts=None if matches is None else sum(matches),
         reached=reached,
         accepted=accepted,
         speculation={name: getattr(used, name, None) for name in SHAPE} if used is not None else {},
@@ -195,14 +197,15 @@ def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
     combined = []
     for same in zip(*runs):
         memory = [r.peak_memory_bytes for r in same if r.peak_memory_bytes is not None]
-        identical = [r.identical_to_target for r in same]
+        identical, matches = [r.identical_to_target for r in same], [r.identical_prompts for r in same]
         reached, accepted = [], []
         for r in same:
             reached, accepted = _add(reached, r.reached), _add(accepted, r.accepted)
         combined.append(MethodResult(
             name=same[0].name, new_tokens=sum(r.new_tokens for r in same), seconds=sum(r.seconds for r in same),
             target_forwards=sum(r.target_forwards for r in same), peak_memory_bytes=max(memory) if memory else None,
-            identical_to_target=None if None in identical else all(identical), reached=reached, accepted=accepted,
+            identical_to_target=None if None in identical else all(identical),
+            identical_prompts=None if None in matches else sum(matches), reached=reached, accepted=accepted,
             speculation=same[0].speculation,
         ))
     _speedups(combined)
