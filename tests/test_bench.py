@@ -63,6 +63,7 @@ def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path):
     assert results[0].speedup == 1.0 and results[0].tau(len(prompts)) == pytest.approx(1.0)
     assert all(r.identical_to_target and r.identical_prompts == len(prompts) for r in results[1:])
     assert results[0].identical_prompts is None and all(r.new_tokens == 2 * 24 for r in results)
+    assert results[0].step_seconds is None and 0 < results[3].step_seconds < results[3].seconds  # the loop's part
     assert results[3].tau(len(prompts)) > 1.5 and results[3].acceptance_per_depth[0] > 0.5
     payload = write_results(tmp_path, results, len(prompts), {"date": "today"}, {})
     assert json.loads((tmp_path / "results.json").read_text())["methods"][3]["name"] == "EAGLE 3.1 tree"
@@ -166,9 +167,11 @@ def test_datasets_combine_and_the_bound_by_hand():
     shape = {"speculation_mode": "chain", "num_assistant_tokens": 3, "tree_top_k": 10, "tree_depth": 6,
              "tree_total_tokens": 60}
     a = [MethodResult("target alone", 22, 2.0, 22, 10, True), MethodResult("EAGLE 3.1 chain", 22, 1.0, 9, 30, True,
-                                                                            [8, 6], [6, 3], shape, identical_prompts=1)]
+                                                                            [8, 6], [6, 3], shape, identical_prompts=1,
+                                                                            step_seconds=0.75)]
     b = [MethodResult("target alone", 42, 4.0, 42, 20, True), MethodResult("EAGLE 3.1 chain", 42, 1.0, 12, 5, False,
-                                                                            [10], [9], shape, identical_prompts=0)]
+                                                                            [10], [9], shape, identical_prompts=0,
+                                                                            step_seconds=0.5)]
     overall = combine([a, b])
     assert [r.new_tokens for r in overall] == [64, 64] and overall[1].target_forwards == 21
     assert overall[1].reached == [18, 6] and overall[1].accepted == [15, 3]
@@ -181,6 +184,8 @@ def test_datasets_combine_and_the_bound_by_hand():
                                             "speedup": 1.0}]}}
     assert bound(overall[1], tuning, 2) == pytest.approx(62 / 19 * 0.5)
     assert bound(overall[0], tuning, 2) is None
+    # from the run's own costs: 62 tokens in 1.25 s of drafting and verifying, the baseline 64 tokens in 6 s
+    assert bound(overall[1], tuning, 2, overall[0]) == pytest.approx(62 / 1.25 / (64 / 6.0))
 
 
 def test_bench_command_on_the_demo_pair(tmp_path, capsys):

@@ -8,9 +8,14 @@ from pathlib import Path
 from hf_eagle31.bench.runner import MethodResult
 
 
-def bound(result: MethodResult, tuning: dict, prompts: int) -> float | None:
-    """tau * t_target / (t_verify(n) + t_draft(d)): the speedup this run's tau allows with the draft shape it
-    used, from the costs tuning measured on this device (None without them)."""
+def bound(result: MethodResult, tuning: dict, prompts: int, baseline: MethodResult | None = None) -> float | None:
+    """tau * t_target / (t_verify(n) + t_draft(d)): the speedup this run's tau allows with the draft shape it used.
+
+    From this run's own costs where they were recorded (the loop's drafting and verifying time, the baseline's
+    time per token), so that a slower or faster hour than tuning's does not move it; else from the costs tuning
+    measured on this device (None without them)."""
+    if baseline is not None and result.step_seconds:
+        return (result.new_tokens - prompts) / result.step_seconds / baseline.tokens_per_second
     report = next((t for name, t in tuning.items() if result.name.startswith(name + " ")), None)
     shape = result.speculation
     if report is None or not shape:
@@ -35,7 +40,7 @@ def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | Non
         identical = "-" if r.identical_to_target is None else ("yes" if r.identical_to_target else "**NO**")
         identical += "" if r.identical_prompts is None else f" ({r.identical_prompts}/{prompts})"
         memory = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.0f}"
-        limit = bound(r, tuning or {}, prompts)
+        limit = bound(r, tuning or {}, prompts, results[0])
         reach = "-" if limit is None else f"{limit:.2f}x ({r.speedup / limit:.0%})"
         rows.append(
             f"| {r.name} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.tau(prompts):.2f} | {reach} | {acceptance} "
@@ -116,7 +121,7 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict) -> list[dict]
             "identical_to_target": r.identical_to_target,
             "identical_prompts": r.identical_prompts,
             "speculation": r.speculation,
-            "bound": bound(r, tuning, prompts),
+            "bound": bound(r, tuning, prompts, results[0]),
         }
         for r in results
     ]

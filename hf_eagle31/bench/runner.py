@@ -49,6 +49,7 @@ class MethodResult:
     speculation: dict = field(default_factory=dict)
     speedup: float | None = None
     identical_prompts: int | None = None  # how many prompts' outputs equal the baseline's (None: not compared)
+    step_seconds: float | None = None  # the EAGLE loop's drafting, verifying and plain steps (no prefill, packing)
 
     @property
     def tokens_per_second(self) -> float:
@@ -136,7 +137,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
     # prompts are unpadded: a mask of ones keeps transformers from reading a pad id inside the text as padding
     mask = lambda prompt: torch.ones_like(prompt)  # noqa: E731
     target.generate(prompts[0], attention_mask=mask(prompts[0]), **{**kwargs, "max_new_tokens": min(8, max_new_tokens)})
-    outputs, seconds, reached, accepted = [], 0.0, [], []
+    outputs, seconds, reached, accepted, steps = [], 0.0, [], [], 0.0
     with peak_memory(target.device) as memory, count_forwards(target) as forwards:
         for number, prompt in enumerate(tqdm(prompts, desc=method.name, leave=False, disable=not progress)):
             torch.manual_seed(number)  # sampling: every method draws with the same seed per prompt
@@ -150,6 +151,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
                 stats = method.drafter.speculation_stats
                 reached = _add(reached, stats.reached)
                 accepted = _add(accepted, stats.accepted)
+                steps += stats.draft_seconds + stats.verify_seconds + stats.plain_seconds
     new_tokens = sum(o.shape[1] - p.shape[1] for o, p in zip(outputs, prompts))
     matches = None if reference is None or temperature > 0 else [torch.equal(o, r) for o, r in zip(outputs, reference)]
     used = method.drafter.generation_config if method.drafter is not None else None
@@ -161,6 +163,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
         peak_memory_bytes=memory["bytes"],
         identical_to_target=None if matches is None else all(matches),
         identical_prompts=None if matches is None else sum(matches),
+        step_seconds=steps if method.drafter is not None else None,
         reached=reached,
         accepted=accepted,
         speculation={name: getattr(used, name, None) for name in SHAPE} if used is not None else {},
@@ -198,6 +201,7 @@ def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
     for same in zip(*runs):
         memory = [r.peak_memory_bytes for r in same if r.peak_memory_bytes is not None]
         identical, matches = [r.identical_to_target for r in same], [r.identical_prompts for r in same]
+        steps = [r.step_seconds for r in same]
         reached, accepted = [], []
         for r in same:
             reached, accepted = _add(reached, r.reached), _add(accepted, r.accepted)
@@ -206,7 +210,7 @@ def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
             target_forwards=sum(r.target_forwards for r in same), peak_memory_bytes=max(memory) if memory else None,
             identical_to_target=None if None in identical else all(identical),
             identical_prompts=None if None in matches else sum(matches), reached=reached, accepted=accepted,
-            speculation=same[0].speculation,
+            speculation=same[0].speculation, step_seconds=None if None in steps else sum(steps),
         ))
     _speedups(combined)
     return combined
