@@ -71,35 +71,29 @@ def verify_cost_curve(
     repeats: int = 5,
     mode: str = "batched",
     pack: bool = False,
-    rounds: int = 1,
 ) -> dict[int, float]:
-    """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n: the best of
-    `repeats` in each of `rounds` passes over every size. Why passes: a shared CPU drifts in speed over seconds,
-    and noise only adds time, so each size's best over passes in different minutes keeps the curve's shape
-    where a single pass bends it (on the 2-core CPU, tuning picked a chain over a tree on a dip at one size).
+    """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
 
     Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
     mask, the drafter's features captured, on packed weights if `pack` (packing.py).
     """
     device = target.device
     prompt = torch.randint(3, target.config.get_text_config().vocab_size, (1, context), device=device)
-    costs = {n: [] for n in sizes}
+    costs = {}
     with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
-        for _ in range(rounds):
-            for n in sizes:
-                tree = _bushy_tree(n, depth, device)
-                plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
+        for n in sizes:
+            tree = _bushy_tree(n, depth, device)
+            plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
 
-                def forward():
-                    verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None],
-                                   target_layer_ids)
-                    cache.crop(-n)
+            def forward():
+                verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None], target_layer_ids)
+                cache.crop(-n)
 
-                forward()  # warm-up
-                costs[n].append(_best_of(forward, repeats))
-    return {n: min(times) for n, times in costs.items()}
+            forward()  # warm-up
+            costs[n] = _best_of(forward, repeats)
+    return costs
 
 
 @torch.no_grad()
@@ -256,8 +250,11 @@ def choose_tree_shape(
     mode = verify_mode(drafter)
     pack = packs_weights(drafter)
     layer_ids = drafter.config.target_layer_ids
+    # Why passes: a shared CPU drifts in speed over seconds and noise only adds time, so each cost's best over passes
+    # in different minutes keeps the curve's shape where one pass bends it (on the 2-core CPU tuning once picked a
+    # chain over a tree on a dip at one size); the three costs in turn in each pass, so a slow minute slows them alike.
     passes = []
-    for _ in range(TUNING_ROUNDS):  # the three costs in turn in each pass: a slow minute slows them alike
+    for _ in range(TUNING_ROUNDS):
         curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack)
         plain = verify_cost_curve(target, [1], layer_ids, context=context)[1] if pack else curve[1]
         with packed_weights(drafter, pack):

@@ -113,8 +113,8 @@ def distill(process: int, processes: int) -> None:
     target.to(torch.bfloat16)  # 1.8x the fp32 rate here (AVX-512 BF16), as EAGLE regenerates its data in bf16 on GPUs
     pool, out = fresh_conversations()[SPLIT:], OWN
 
-    def mine() -> set[str]:
-        return {p.name for p in out.glob("chunk_*.jsonl") if int(p.stem[6:]) % processes == process}
+    def mine() -> set[int]:  # the numbers of this process's chunks written so far
+        return {n for n in (int(p.stem[6:]) for p in out.glob("chunk_*.jsonl")) if n % processes == process}
 
     while True:
         before, started = mine(), time.process_time()
@@ -125,7 +125,7 @@ def distill(process: int, processes: int) -> None:
         if not written:  # the budget stops it after one more chunk: none means every chunk of this process is done
             return
         with (out / "cpu.log").open("a") as log:
-            log.write(json.dumps({"chunk": int(written.pop()[6:-6]), "cpu_seconds": time.process_time() - started}) + "\n")
+            log.write(json.dumps({"chunk": written.pop(), "cpu_seconds": time.process_time() - started}) + "\n")
 
 
 def given_batches(folder: Path, run: Run) -> list[list[TrainingSequence]]:
