@@ -9,11 +9,13 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import PROMPTS, make_target, verify_logits
 from transformers import DynamicCache
 
 from hf_eagle31.drafting import DraftTree
 from hf_eagle31.generation import eagle_verification
+from hf_eagle31.verification import VerifyPlan
 
 #      0
 #    1   2
@@ -63,3 +65,15 @@ def test_verify_logits_against_one_token_decoding(arch, dtype, tree):
         with eagle_verification(target):
             wrong = verify_logits(target, copy.deepcopy(prompt_cache), tree.tokens, positions, wrong_mask, [1, 2, 3])
         assert (wrong - expected).abs().max() > 10 * tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_plans_additive_mask_gives_sdpa_what_its_boolean_mask_gives(dtype):
+    plan = VerifyPlan(torch.stack([TREE.ancestor_mask(), torch.ones(7, 7, dtype=torch.bool).tril()]),
+                      key_padding=torch.tensor([[False, True, True, True, True], [True] * 5]))
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, n, 8, generator=g).to(dtype) for n in (7, 12, 12))
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.layer_mask(12)[:, None])
+    got = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.sdpa_mask(12, None, dtype))
+    assert torch.equal(got, expected)
+    assert plan.sdpa_mask(12, None, dtype) is plan.sdpa_mask(12, None, dtype)  # converted once per plan
