@@ -311,15 +311,17 @@ def live_counts(target, drafter: Eagle3DraftModel, prompts: list[torch.Tensor]) 
 
 def mtbench(folder: Path, run_name: str, step: int, questions: int) -> None:
     """Live tau on MT-Bench's first turns, a snapshot's drafters against the shipped ones, paired question by
-    question: the benchmark's measure, in each drafter's tuned shape (held fixed) and its decoding dtype."""
+    question: the benchmark's measure, both in the shipped drafter's tuned shape (held fixed; a snapshot keeps the
+    shape its run started from, which a later re-tune of the shipped drafter may have changed) and decoding dtype."""
     target, tokenizer = load_packaged_model(TARGET)
     turns = [json.loads(line)["turns"][0] for line in (HERE / "prompts" / "mt_bench.jsonl").open()][:questions]
     prompts = chat_prompts(tokenizer, turns)
     snapshot = folder / run_name / "snapshots" / f"step_{step:06d}"
     for name in DRAFTERS:
-        taus = []
+        taus, shape = [], Eagle3DraftModel.from_pretrained(HERE / name).generation_config
         for path in (HERE / name, snapshot / name):
             drafter = Eagle3DraftModel.from_pretrained(path).to(drafting_dtype(target))
+            drafter.generation_config = shape
             counts = live_counts(target, drafter, prompts)
             taus.append([t / f for t, f in counts])
             print(f"{name} {path}: tau {pooled_tau(counts):.3f}", flush=True)
