@@ -159,15 +159,14 @@ class VerifyPlan:
             self._layer_masks[key_length, window] = torch.cat([seen, block, unwritten], dim=2)
         return self._layer_masks[key_length, window]
 
-    def sdpa_mask(self, key_length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """`layer_mask` `[B, 1, n, key_length]` as the additive mask SDPA makes of a boolean one (0 or -inf).
+    def additive_layer_mask(self, key_length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """`layer_mask` `[B, 1, n, key_length]` as an additive mask (`additive_mask`), for SDPA and eager attention.
 
         Why: SDPA converts a boolean mask at every call, two ops per layer (~1 ms of a 50 ms verify forward of
         SmolLM2 on the 2-core CPU); the layers that share a key length and window share one conversion."""
         if (key_length, window, dtype) not in self._layer_masks:
-            mask = self.layer_mask(key_length, window)[:, None]
-            self._layer_masks[key_length, window, dtype] = torch.zeros(
-                mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._layer_masks[key_length, window, dtype] = additive_mask(self.layer_mask(key_length, window)[:, None],
+                                                                         dtype)
         return self._layer_masks[key_length, window, dtype]
 
     def held_keys(self, row: int, node: int, past: int, layer: int | None) -> torch.Tensor:
@@ -210,16 +209,15 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     if plan.mode == "exact":
         return decode_equivalent_attention(module, query, key, value, plan, window, scaling, dropout, attention,
                                            **kwargs)
-    if eager:  # softcapping, attention sinks and the like stay the target's own business
-        mask = plan.layer_mask(key.shape[2], window)[:, None]
-        return attention(module, query, key, value, additive_mask(mask, query.dtype), scaling=scaling,
-                         dropout=dropout, **kwargs)
     if plan.mode == "kernel" and query.is_cuda and plan.mask.shape[0] == 1 and plan.key_padding is None and \
-            window is None:
+            window is None and not eager:
         return tree_attention(query, key, value, plan.mask[0], scaling).transpose(1, 2).contiguous(), None
+    mask = plan.additive_layer_mask(key.shape[2], window, query.dtype)
+    if eager:  # softcapping, attention sinks and the like stay the target's own business
+        return attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
     # torch's SDPA directly: transformers' wrapper copies K/V per query head whenever a mask is given
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.sdpa_mask(key.shape[2], window, query.dtype),
-                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

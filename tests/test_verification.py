@@ -74,6 +74,6 @@ def test_the_plans_additive_mask_gives_sdpa_what_its_boolean_mask_gives(dtype):
     g = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(2, 4, n, 8, generator=g).to(dtype) for n in (7, 12, 12))
     expected = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.layer_mask(12)[:, None])
-    got = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.sdpa_mask(12, None, dtype))
+    got = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.additive_layer_mask(12, None, dtype))
     assert torch.equal(got, expected)
-    assert plan.sdpa_mask(12, None, dtype) is plan.sdpa_mask(12, None, dtype)  # converted once per plan
+    assert plan.additive_layer_mask(12, None, dtype) is plan.additive_layer_mask(12, None, dtype)  # converted once per plan
