@@ -318,9 +318,10 @@ def mtbench(folder: Path, run_name: str, step: int, questions: int) -> None:
     prompts = chat_prompts(tokenizer, turns)
     snapshot = folder / run_name / "snapshots" / f"step_{step:06d}"
     for name in DRAFTERS:
-        taus, shape = [], Eagle3DraftModel.from_pretrained(HERE / name).generation_config
+        taus, shape = [], None
         for path in (HERE / name, snapshot / name):
             drafter = Eagle3DraftModel.from_pretrained(path).to(drafting_dtype(target))
+            shape = drafter.generation_config if shape is None else shape  # the shipped drafter's, loaded first
             drafter.generation_config = shape
             counts = live_counts(target, drafter, prompts)
             taus.append([t / f for t, f in counts])
