@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.cache_utils import StaticLayer
@@ -279,11 +280,16 @@ class RowByRowLinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and args[0].dim() >= 2 and args[0].shape[-2] > 1:
-            rows = args[0]
-            return torch.cat([self._position(func, rows[..., i : i + 1, :], args[1:], kwargs)
-                              for i in range(rows.shape[-2])], -2)
+        if func is F.linear:
+            return self.by_position(func, args[0], args[1:], kwargs)
         return func(*args, **kwargs)
+
+    def by_position(self, func: Callable, rows: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """`func(rows, *args, **kwargs)` one block position at a time."""
+        if rows.dim() < 2 or rows.shape[-2] == 1:
+            return func(rows, *args, **kwargs)
+        return torch.cat([self._position(func, rows[..., i : i + 1, :], args, kwargs)
+                          for i in range(rows.shape[-2])], -2)
 
     def _position(self, func, position: torch.Tensor, args, kwargs) -> torch.Tensor:
         missing = self.batch_size - position.shape[0] if position.dim() == 3 else 0
@@ -315,11 +321,41 @@ def leave_exact_mode(*unused) -> None:
         mode.__exit__(None, None, None)
 
 
+class OwnForwardByPosition:
+    """Linear layers with a forward of their own (bitsandbytes' 4- and 8-bit layers) run one block
+    position at a time in an "exact" verify forward, their whole forward and not only the `F.linear`
+    it may call.
+
+    Why: bitsandbytes multiplies one token by a 4-bit weight with a fused kernel of its own (on CUDA)
+    and several tokens by the dequantized weight through `F.linear`: split below its forward, each
+    position would still take the several-token path, which one-token decoding never does.
+    """
+
+    def __init__(self, target: nn.Module):
+        self.layers = [m for m in target.modules() if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward]
+        self.own = [vars(m).get("forward") for m in self.layers]  # an instance's forward (accelerate's hooks) comes back
+        for layer in self.layers:
+            layer.forward = functools.partial(_forward_by_position, layer.forward)
+
+    def remove(self) -> None:
+        for layer, own in zip(self.layers, self.own):
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
+
+
+def _forward_by_position(forward: Callable, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    mode = getattr(_ROW_BY_ROW, "mode", None)
+    return forward(x, *args, **kwargs) if mode is None else mode.by_position(forward, x, args, kwargs)
+
+
 def exact_mode_hooks(target: PreTrainedModel) -> list:
     """Hooks that run "exact" verify forwards under `RowByRowLinear` (they see the plan in the forward's kwargs)."""
     return [
         target.register_forward_pre_hook(_enter_exact_mode, with_kwargs=True),
         target.register_forward_hook(leave_exact_mode, with_kwargs=True, always_call=True),
+        OwnForwardByPosition(target),
     ]
 
 

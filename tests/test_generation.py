@@ -80,6 +80,38 @@ def test_exact_verification_equals_plain_generate_bit_for_bit_in_bf16(arch, mode
         target.float(), drafter.float()
 
 
+class OneTokenKernel(torch.nn.Linear):
+    """Multiplies one token its own way and several through `F.linear` on another weight, as bitsandbytes'
+    4-bit layers do on CUDA (a fused 4-bit kernel for one token, the dequantized weight for several); the
+    difference is exaggerated (a 4-bit rounding of the weight) so that a missed split shows in the output."""
+
+    def forward(self, x):
+        if x.numel() == x.shape[-1]:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        scale = self.weight.abs().amax(-1, keepdim=True) / 7
+        return torch.nn.functional.linear(x, torch.round(self.weight / scale) * scale, self.bias)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exact_verification_runs_a_layer_with_its_own_forward_one_token_at_a_time(mode):
+    target, drafter = trained_pair("llama", True, speculation_mode=mode, collapse_fallback=False, verify_mode="exact")
+    layers = [m for m in target.model.layers.modules() if type(m) is torch.nn.Linear]
+    for layer in layers:
+        layer.__class__ = OneTokenKernel
+    taus = []
+    try:
+        for prompt in prompt_variants():
+            expected = plain(target, prompt, max_new_tokens=40)
+            out = target.generate(prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter)
+            assert torch.equal(out, expected), prompt.tolist()
+            taus.append(drafter.speculation_stats.tau)
+        assert max(taus) > 1.0  # drafts were accepted (the prefill's 4-bit rounding moves the target off its data)
+    finally:
+        for layer in layers:
+            layer.__class__ = torch.nn.Linear
+    assert all("forward" not in vars(layer) for layer in layers)  # the per-position forwards went with the call
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "controls",
