@@ -249,15 +249,34 @@ def batch_shape(drafter: Eagle3DraftModel, batch_size: int) -> dict | None:
     return shapes[str(max(fitting))] if fitting else None
 
 
-def speculation_for(drafter: Eagle3DraftModel, batch_size: int) -> Speculation | None:
+def tuned_shape(drafter: Eagle3DraftModel, batch_size: int, do_sample: bool) -> dict | None:
+    """The shape tuning chose for this kind of call, if any: for its batch size (`batch_shapes`), or for sampling
+    one row (`sampling_shape`, `tuning.sampling_tuning`); None: the drafter's own chain or tree settings."""
+    if batch_size > 1:
+        shape, name = batch_shape(drafter, batch_size), "batch_shapes"
+    else:
+        shape, name = (getattr(drafter.generation_config, "sampling_shape", None) if do_sample else None,
+                       "sampling_shape")
+    if shape is None:
+        return None
+    sizes = ("tree_top_k", "tree_depth", "tree_total_tokens")
+    if not (isinstance(shape, dict) and all(isinstance(shape.get(size), int) and shape[size] >= 1 for size in sizes)
+            and isinstance(shape.get("speedup"), (int, float))):
+        raise ValueError(f"{name} holds {shape!r}; a tuned shape is a dict of positive integers tree_top_k, "
+                         "tree_depth and tree_total_tokens and a predicted speedup (see hf_eagle31.tuning), "
+                         f"or set {name} to None")
+    return shape
+
+
+def speculation_for(drafter: Eagle3DraftModel, batch_size: int, do_sample: bool = False) -> Speculation | None:
     """How a call with `batch_size` prompts drafts: the drafter's speculation settings, or the shape tuned for
-    this batch size; None where tuning predicted that no shape pays at this size (plain decoding then)."""
+    this kind of call (`tuned_shape`); None where tuning predicted that no shape pays for it (plain decoding then)."""
     mode = speculation_setting(drafter, "speculation_mode")
     top_k, depth, total = (speculation_setting(drafter, name) for name in ("tree_top_k", "tree_depth",
                                                                              "tree_total_tokens"))
     if mode == "chain":
         top_k, depth = 1, speculation_setting(drafter, "num_assistant_tokens")
-    shape = batch_shape(drafter, batch_size) if batch_size > 1 else None
+    shape = tuned_shape(drafter, batch_size, do_sample)
     if shape is not None:
         if shape["speedup"] < 1.0:
             return None
@@ -326,7 +345,7 @@ def install() -> None:
         for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
             kwargs.pop(unused, None)
         prepare_drafter(self, drafter)
-        speculation = speculation_for(drafter, input_ids.shape[0])
+        speculation = speculation_for(drafter, input_ids.shape[0], bool(kwargs["generation_config"].do_sample))
         if speculation is None:
             drafter.speculation_stats = SpeculationStats(mode=speculation_setting(drafter, "speculation_mode"),
                                                          fallbacks=1)

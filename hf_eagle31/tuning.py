@@ -33,6 +33,7 @@ from hf_eagle31.packing import packed_weights
 from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
+SAMPLING_TEMPERATURE = 1.0  # the temperature `sampling_shape` is calibrated at; it serves every sampling call
 TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain step, drafts in turn); each keeps its best
 
 
@@ -187,15 +188,24 @@ def speculation_settings(drafter: Eagle3DraftModel, **settings):
 
 
 def calibrate(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor], max_new_tokens: int,
-              top_k: int, depth: int, total_tokens: int) -> list[list[int]]:
-    """Accepted ranks per step from greedy decoding with the family's largest shape, speculation held fixed."""
+              top_k: int, depth: int, total_tokens: int, temperature: float | None = None) -> list[list[int]]:
+    """Accepted ranks per step from decoding with the family's largest shape, speculation held fixed: greedy, or
+    sampled at `temperature` (seeded per prompt).
+
+    Why a smaller shape's acceptance can be read off these ranks when sampling too: the walk accepts a node when
+    the target's own sample is one of its children (a sampled chain: when its draft passes min(1, p/q)), which a
+    pruned tree holding that node would accept alike."""
     ranks = []
+    sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature}
     with speculation_settings(drafter, speculation_mode="tree", dynamic_speculation=False, collapse_fallback=False,
-                              tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total_tokens):
-        for prompt in prompts:
+                              tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total_tokens,
+                              batch_shapes=None, sampling_shape=None):
+        for seed, prompt in enumerate(prompts):
             prompt = prompt.to(target.device)  # unpadded: a pad id inside the text is not padding
-            target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                            max_new_tokens=max_new_tokens, assistant_model=drafter)
+            if temperature is not None:
+                torch.manual_seed(seed)  # the same draws in every calibration of this drafter
+            target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                            assistant_model=drafter, **sampling)
             ranks += drafter.speculation_stats.accepted_ranks
     return ranks
 
@@ -208,6 +218,7 @@ class TuningReport:
     candidates: list[dict] = field(default_factory=list)  # shape, tau, predicted speedup
     calibration_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # top_k -> ranks
     batch_costs: dict = field(default_factory=dict)  # see `batch_costs`
+    sampling: dict = field(default_factory=dict)  # see `sampling_tuning`
 
     def best(self, chain: bool) -> dict:
         """The fastest predicted chain (top_k 1) or tree (top_k > 1); {} if there is none."""
@@ -230,6 +241,7 @@ class TuningReport:
             "best_tree": self.best(chain=False),
             "calibration_ranks": self.calibration_ranks,
             "batch_costs": self.batch_costs,
+            "sampling": self.sampling,
         }
 
 
@@ -284,6 +296,30 @@ def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, d
     return candidates
 
 
+def calibrate_families(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],
+                       max_new_tokens: int, top_ks, max_depth: int, max_tokens: int,
+                       temperature: float | None = None) -> dict[int, list[list[int]]]:
+    """`calibrate` each family (top_k) at its largest shape: a chain of `max_depth`, a tree of `max_tokens`."""
+    return {k: calibrate(target, drafter, prompts, max_new_tokens, k, max_depth, max_depth if k == 1 else max_tokens,
+                         temperature) for k in top_ks}
+
+
+def sampling_tuning(report: dict, ranks_by_top_k: dict[int, list[list[int]]], temperature: float) -> dict:
+    """The candidates predicted from a report's costs with the acceptance of sampling at `temperature`, and the
+    fastest of them (`shape`, which `apply_choice` stores as `sampling_shape`).
+
+    Why a second calibration: a sampled walk accepts a child with the target's probability of it, not when it is
+    the argmax, so sampling accepts fewer tokens deeper down and a shallower shape wins (on the 2-core CPU the
+    greedy-tuned tree of 5 ran 1.81x at temperature 1.0 where a chain of 3 ran 1.95x). The costs are the same.
+    """
+    verify = {int(n): t for n, t in report["verify_seconds"].items()}  # keys are strings once through JSON
+    drafts = {int(k): {int(d): t for d, t in depths.items()} for k, depths in report["draft_seconds"].items()}
+    candidates = rank_candidates(verify, drafts, ranks_by_top_k, report["plain_seconds"])
+    fastest = max(candidates, key=lambda c: c["speedup"])
+    return {"temperature": temperature, "calibration_ranks": ranks_by_top_k, "candidates": candidates,
+            "shape": {**fastest, "temperature": temperature}}
+
+
 def batch_shapes(report: dict) -> dict[str, dict]:
     """The shape predicted fastest at each batch size, from the batched costs measured by `batch_costs` and the
     acceptance calibrated for one row.
@@ -312,7 +348,7 @@ def batch_shapes(report: dict) -> dict[str, dict]:
 
 def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None:
     """Store the best chain length, the best tree and the faster mode in the drafter's generation config,
-    and the shape predicted fastest for each batch size (`batch_shapes`).
+    the shape predicted fastest for each batch size (`batch_shapes`) and for sampling (`sampling_shape`).
 
     `report` may also be a saved `TuningReport.as_dict()` (a resumed benchmark reuses its tuning).
     Dynamic speculation is switched off: the shapes were chosen for the acceptance measured at a
@@ -332,6 +368,7 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     config.speculation_mode = "chain" if choice["tree_top_k"] == 1 else "tree"
     config.dynamic_speculation = False
     config.batch_shapes = batch_shapes(report) if report.get("batch_costs") else None
+    config.sampling_shape = (report.get("sampling") or {}).get("shape")
 
 
 BATCH_MAX_DEPTH = 8  # deeper drafts never paid at a batch size above one here
@@ -339,14 +376,19 @@ BATCH_MAX_DEPTH = 8  # deeper drafts never paid at a batch size above one here
 
 def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],
                  max_new_tokens: int = 96, top_ks: tuple[int, ...] = (1, 3, 10), max_depth: int = 12,
-                 max_tokens: int = 64, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> TuningReport:
+                 max_tokens: int = 64, batch_sizes: tuple[int, ...] = BATCH_SIZES,
+                 sampling_temperature: float | None = SAMPLING_TEMPERATURE) -> TuningReport:
     """Calibrate on `prompts` (token ids), measure this device's costs, choose a shape and apply it; the same for
-    each of `batch_sizes` (their shapes go to `batch_shapes`)."""
-    ranks = {k: calibrate(target, drafter, prompts, max_new_tokens, k, max_depth, max_depth if k == 1 else max_tokens)
-             for k in top_ks}
+    each of `batch_sizes` (their shapes go to `batch_shapes`) and, calibrated again sampling at
+    `sampling_temperature` (None: not), for sampling (`sampling_shape`)."""
+    ranks = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens)
     report = choose_tree_shape(target, drafter, ranks, max_depth, max_tokens)
     if batch_sizes:
         report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes)
+    if sampling_temperature is not None:
+        sampled = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens,
+                                     sampling_temperature)
+        report.sampling = sampling_tuning(report.as_dict(), sampled, sampling_temperature)
     apply_choice(drafter, report)
     return report
 
@@ -357,4 +399,18 @@ def tune_batch_sizes(target: PreTrainedModel, drafter: Eagle3DraftModel, report:
     top_ks = sorted({c["tree_top_k"] for c in report["candidates"]})
     report = {**report, "batch_costs": batch_costs(target, drafter, top_ks, BATCH_MAX_DEPTH, batch_sizes)}
     drafter.generation_config.batch_shapes = batch_shapes(report)
+    return report
+
+
+def tune_sampling(target: PreTrainedModel, drafter: Eagle3DraftModel, report: dict, prompts: list[torch.Tensor],
+                  max_new_tokens: int = 96, temperature: float = SAMPLING_TEMPERATURE) -> dict:
+    """Add the acceptance of sampling at `temperature` to a saved tuning report (its costs kept: nothing is timed,
+    so it may run on a busy machine) and store `sampling_shape`."""
+    depths = report["draft_seconds"]
+    top_ks = sorted(int(k) for k in depths)
+    max_depth = max(int(d) for d in depths[next(iter(depths))])
+    max_tokens = max(int(n) for n in report["verify_seconds"]) - 1
+    sampled = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens, temperature)
+    report = {**report, "sampling": sampling_tuning(report, sampled, temperature)}
+    drafter.generation_config.sampling_shape = report["sampling"]["shape"]
     return report

@@ -131,6 +131,22 @@ def test_the_shape_tuned_for_the_batch_size_is_used_and_plain_decoding_where_non
     assert drafter.speculation_stats.speculative_forwards == 0 and drafter.speculation_stats.fallbacks == 1
 
 
+def test_the_shape_tuned_for_sampling_is_used_when_one_row_samples():
+    target, drafter = trained_pair("llama", True, speculation_mode="tree", tree_top_k=4, tree_depth=6,
+                                   tree_total_tokens=30, collapse_fallback=False)
+    drafter.generation_config.sampling_shape = {"tree_top_k": 1, "tree_depth": 2, "tree_total_tokens": 2,
+                                                "speedup": 1.5, "temperature": 1.0}
+    torch.manual_seed(0)
+    target.generate(PROMPTS[0:1], max_new_tokens=30, do_sample=True, assistant_model=drafter)
+    stats = drafter.speculation_stats
+    assert stats.mode == "chain" and len(stats.reached) == 2 and stats.speculative_forwards > 0
+    target.generate(PROMPTS[0:1], max_new_tokens=30, do_sample=False, assistant_model=drafter)  # greedy: the tree
+    assert drafter.speculation_stats.mode == "tree" and len(drafter.speculation_stats.reached) > 2
+    drafter.generation_config.sampling_shape = {"tree_top_k": 1, "tree_depth": 0, "tree_total_tokens": 2}
+    with pytest.raises(ValueError, match="sampling_shape holds"):
+        target.generate(PROMPTS[0:1], max_new_tokens=5, do_sample=True, assistant_model=drafter)
+
+
 def test_batch_shapes_pick_the_fastest_shape_from_measured_batch_costs():
     from hf_eagle31.tuning import batch_shapes
 

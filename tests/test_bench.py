@@ -30,6 +30,20 @@ def test_projected_tau_predicts_what_a_smaller_tree_actually_does():
     assert predicted == pytest.approx(drafter.speculation_stats.tau)
 
 
+def test_a_sampled_calibration_records_the_ranks_the_walk_accepted():
+    """Sampling, the walk accepts the target's own sample where a child carries it: the ranks calibration
+    records re-score the run it came from exactly, as greedy ones do."""
+    from hf_eagle31.tuning import calibrate
+
+    target, drafter = trained_pair("llama", True)
+    ranks = calibrate(target, drafter, [PROMPTS[0:1]], 40, top_k=4, depth=5, total_tokens=40, temperature=1.0)
+    stats = drafter.speculation_stats
+    assert ranks == stats.accepted_ranks and len(ranks) < 40  # some steps accepted drafts
+    assert projected_tau(ranks, total_tokens=40, depth=5) == pytest.approx(stats.tau)
+    greedy = calibrate(target, drafter, [PROMPTS[0:1]], 40, top_k=4, depth=5, total_tokens=40)
+    assert greedy != ranks
+
+
 def test_tree_shape_choice_and_verify_curve():
     target, drafter = trained_pair("llama", True)
     curve = verify_cost_curve(target, [1, 4, 16], drafter.config.target_layer_ids, context=32, repeats=2)
@@ -130,6 +144,40 @@ def test_tune_drafter_calibrates_without_leaving_its_settings_behind():
     assert settings.collapse_fallback  # calibration held it off, then restored it
     assert not settings.dynamic_speculation  # the tuned shape is kept fixed
     assert settings.tree_top_k == 3 and settings.num_assistant_tokens == report.best(chain=True)["tree_depth"]
+
+
+def test_tuning_calibrates_a_shape_for_sampling_beside_the_greedy_ones(tmp_path):
+    from hf_eagle31.tuning import tune_drafter, tune_sampling
+
+    target, drafter = trained_pair("llama", True)
+    report = tune_drafter(target, drafter, [PROMPTS[0:1]], max_new_tokens=16, top_ks=(1, 3), max_depth=3, max_tokens=8,
+                          batch_sizes=(), sampling_temperature=0.7)
+    sampling = report.sampling
+    assert sampling["temperature"] == 0.7 and set(sampling["calibration_ranks"]) == {1, 3}
+    assert sampling["calibration_ranks"] != report.calibration_ranks  # calibrated again, sampling
+    shape = drafter.generation_config.sampling_shape
+    assert shape == sampling["shape"] == {**max(sampling["candidates"], key=lambda c: c["speedup"]), "temperature": 0.7}
+    greedy = {name: getattr(drafter.generation_config, name) for name in ("speculation_mode", "tree_total_tokens")}
+    saved = json.loads(json.dumps(report.as_dict(), default=str))  # as tuning.json holds it: string keys
+    drafter.generation_config.sampling_shape = None
+    again = tune_sampling(target, drafter, saved, [PROMPTS[0:1]], max_new_tokens=16, temperature=1.0)
+    assert again["choice"] == saved["choice"] and again["sampling"]["temperature"] == 1.0
+    assert set(again["sampling"]["calibration_ranks"]) == {1, 3}
+    assert drafter.generation_config.sampling_shape == again["sampling"]["shape"]
+    assert greedy == {name: getattr(drafter.generation_config, name) for name in greedy}  # greedy shapes kept
+
+
+def test_sampling_tuning_predicts_from_the_saved_costs_by_hand():
+    from hf_eagle31.tuning import sampling_tuning
+
+    report = {"verify_seconds": {"1": 1.0, "2": 1.2, "3": 1.5}, "plain_seconds": 1.0,
+              "draft_seconds": {"1": {"1": 0.1, "2": 0.2}, "3": {"1": 0.3, "2": 0.5}}}
+    # sampled: the chain's second draft never passes; greedy would have accepted it
+    ranks = {1: [[0], [0], []], 3: [[0, 1], [1], [0]]}
+    chosen = sampling_tuning(report, ranks, 1.0)["shape"]
+    # chain 1: tau 5/3, 1.0 / 1.3 -> 1.28; tree (3, 1, 2): tau 2, 1.0 / 1.8 -> 1.11; (3, 2, 2): tau 7/3 / 2.0 -> 1.17
+    assert (chosen["tree_top_k"], chosen["tree_depth"], chosen["tree_total_tokens"]) == (1, 1, 1)
+    assert chosen["speedup"] == pytest.approx(5 / 3 / 1.3) and chosen["temperature"] == 1.0
 
 
 def test_candidates_follow_the_speedup_formula():

@@ -7,6 +7,7 @@
     python examples/gemma3/train.py ship        # bf16 drafter, logs and card into examples/gemma3/eagle31
     python examples/gemma3/train.py evaluate --drafter examples/gemma3/eagle31   # tau on held-out ShareGPT turns
     python examples/gemma3/train.py tune        # re-tune the shipped drafter's shapes on this machine, in place
+    python examples/gemma3/train.py tune --sampling-only   # only the shape for sampling (times nothing)
 
 google/gemma-3-270m is a base model without a chat template: it continues each conversation's
 first user turn as text, and the drafter learns those continuations. Its 262,144-token vocabulary
@@ -117,21 +118,26 @@ def held_out_prompts(tokenizer, start: int, count: int) -> list[torch.Tensor]:
     return [torch.tensor([encode_prompt(tokenizer, turn)]) for turn in turns]
 
 
-def tune(prompts: int) -> int:
-    """Tune the shipped drafter's shapes here, on held-out turns `evaluate` does not use; a quiet machine's job."""
+def tune(prompts: int, sampling_only: bool) -> int:
+    """Tune the shipped drafter's shapes here, on held-out turns `evaluate` does not use; a quiet machine's job
+    unless `sampling_only` (the saved costs kept, the shape for sampling calibrated: nothing timed)."""
     from hf_eagle31.generation import drafting_dtype, prepare_drafter
     from hf_eagle31.modeling import Eagle3DraftModel
     from hf_eagle31.packaged import load_packaged_model
-    from hf_eagle31.tuning import tune_drafter
+    from hf_eagle31.tuning import tune_drafter, tune_sampling
 
     target, tokenizer = load_packaged_model("gemma-3-270m")
     folder = HERE / "eagle31"
     drafter = Eagle3DraftModel.from_pretrained(folder, dtype=drafting_dtype(target)).eval()  # as decoding runs it
     prepare_drafter(target, drafter)
-    report = tune_drafter(target, drafter, held_out_prompts(tokenizer, prompts, prompts))
+    calibration = held_out_prompts(tokenizer, prompts, prompts)
+    if sampling_only:
+        report = tune_sampling(target, drafter, json.loads((folder / "tuning.json").read_text()), calibration)
+    else:
+        report = tune_drafter(target, drafter, calibration).as_dict()
     drafter.generation_config.save_pretrained(folder)
-    (folder / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
-    print(f"chosen {report.choice}")
+    (folder / "tuning.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"chosen {report['choice']}, for sampling {report['sampling']['shape']}")
     return 0
 
 
@@ -143,6 +149,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="vocab: optimizer steps per vocabulary")
     parser.add_argument("--prompts", type=int, default=10, help="evaluate, tune: held-out turns (tune takes the next ones)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--sampling-only", action="store_true", help="tune: only the shape for sampling")
     args = parser.parse_args()
     if args.stage == "train":
         return train(args.epochs)
@@ -151,7 +158,7 @@ def main() -> int:
     if args.stage == "ship":
         return ship()
     if args.stage == "tune":
-        return tune(args.prompts)
+        return tune(args.prompts, args.sampling_only)
     return evaluate(args.drafter, args.prompts, args.max_new_tokens)
 
 

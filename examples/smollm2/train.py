@@ -5,6 +5,7 @@
     python examples/smollm2/train.py small-lm                 # the assisted-generation baseline, same data
     python examples/smollm2/train.py ship                     # tune each drafter's shape here, write bf16 + cards
     python examples/smollm2/train.py tune                     # re-tune the shipped drafters' shapes here, in place
+    python examples/smollm2/train.py tune --sampling-only     # only the shape for sampling (times nothing)
     python examples/smollm2/train.py evaluate --names eagle3 eagle31   # per-depth acceptance on held-out answers
 
 `drafter --name X --steps N --lk-eta 3` trains a variant into `--work/X` for a study of the losses;
@@ -40,7 +41,7 @@ from hf_eagle31.training.distill import DistillSettings, distill_conversations, 
 from hf_eagle31.training.evaluation import evaluate_acceptance
 from hf_eagle31.training.feature_cache import FeatureCache, build_feature_cache
 from hf_eagle31.training.trainer import drafter_config_for
-from hf_eagle31.tuning import tune_drafter
+from hf_eagle31.tuning import tune_drafter, tune_sampling
 
 HERE = Path(__file__).parent
 BENCH = HERE.parents[1] / "docs" / "bench" / "smollm2" / "results.json"  # `hf-eagle31 bench --pair smollm2`
@@ -213,16 +214,21 @@ def chat_prompts(tokenizer, questions: list[str]) -> list[torch.Tensor]:
                                           return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
 
 
-def tune(target, tokenizer, names: list[str]) -> None:
+def tune(target, tokenizer, names: list[str], sampling_only: bool = False) -> None:
     """Re-tune the shipped drafters' shapes on this machine, in place (generation_config.json, tuning.json):
-    the costs are timings, so run it on a quiet machine."""
+    the costs are timings, so run it on a quiet machine. `sampling_only` keeps the saved costs and greedy shapes
+    and calibrates the shape for sampling alone (`tune_sampling`), which times nothing."""
     for name in names:
         drafter = Eagle3DraftModel.from_pretrained(HERE / name, dtype=drafting_dtype(target))  # as decoding runs it
         drafter.set_target_embedding(target.get_input_embeddings())
-        report = tune_drafter(target, drafter, calibration_prompts(tokenizer))
+        if sampling_only:
+            saved = json.loads((HERE / name / "tuning.json").read_text())
+            report = tune_sampling(target, drafter, saved, calibration_prompts(tokenizer))
+        else:
+            report = tune_drafter(target, drafter, calibration_prompts(tokenizer)).as_dict()
         drafter.generation_config.save_pretrained(HERE / name)
-        (HERE / name / "tuning.json").write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
-        print(f"{name}: chosen {report.choice}")
+        (HERE / name / "tuning.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"{name}: chosen {report['choice']}, for sampling {report['sampling']['shape']}")
 
 
 def ship(target, tokenizer, work: Path, runs: list[str]) -> None:
@@ -260,6 +266,7 @@ def main() -> int:
                         "(distill.py --answers given) after the distilled ones")
     parser.add_argument("--start", type=Path, help="drafter: continue training the drafter in this folder")
     parser.add_argument("--work", type=Path, default=Path("runs/smollm2"), help="caches and checkpoints")
+    parser.add_argument("--sampling-only", action="store_true", help="tune: only the shape for sampling")
     parser.add_argument("--threads", type=int, help="torch threads (1 each for two runs at once)")
     args = parser.parse_args()
     if args.threads:
@@ -275,7 +282,7 @@ def main() -> int:
     elif args.stage == "evaluate":
         evaluate(target, tokenizer, args.work, args.names)
     elif args.stage == "tune":
-        tune(target, tokenizer, args.names)
+        tune(target, tokenizer, args.names, args.sampling_only)
     elif args.stage == "small-lm":
         small_lm(target, tokenizer, args.work)
     else:

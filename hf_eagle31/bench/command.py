@@ -200,9 +200,10 @@ def machine(device: str) -> str:
     return f"{model}, {torch.get_num_threads()} threads (CPU)"
 
 
-def tune(target, drafters: dict, prompts, max_new_tokens, out: Path, resume: bool) -> dict:
-    """Calibrate on a few prompts, then choose each drafter's shape for this device (see `hf_eagle31.tuning`);
-    a resumed run applies the shapes its first run chose, so every part uses the same ones."""
+def tune(target, drafters: dict, prompts, max_new_tokens, out: Path, resume: bool, temperature: float) -> dict:
+    """Calibrate on a few prompts, then choose each drafter's shape for this device (see `hf_eagle31.tuning`), for
+    sampling at the run's `temperature` too; a resumed run applies the shapes its first run chose, so every part
+    uses the same ones."""
     from hf_eagle31.tuning import apply_choice, tune_drafter
 
     saved = out / "tuning.json"
@@ -211,7 +212,8 @@ def tune(target, drafters: dict, prompts, max_new_tokens, out: Path, resume: boo
         for name, drafter in drafters.items():
             apply_choice(drafter, tuning[name])
         return tuning
-    tuning = {name: tune_drafter(target, d, prompts, max_new_tokens).as_dict() for name, d in drafters.items()}
+    tuning = {name: tune_drafter(target, d, prompts, max_new_tokens, sampling_temperature=temperature or None).as_dict()
+              for name, d in drafters.items()}
     saved.write_text(json.dumps(tuning, default=str))
     return json.loads(saved.read_text())  # as a resumed run will read it
 
@@ -273,7 +275,9 @@ def prepare_out(args: argparse.Namespace, meta: dict) -> Path:
     return out
 
 
-def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False):
+def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False, sampling: bool = False):
+    """The rows of the table. A drafter's chain and tree are its greedy-tuned ones; when `sampling`, the shape
+    tuned for sampling (`sampling_shape`) is a row of its own, so the two calibrations meet in one run."""
     from hf_eagle31.bench.runner import Method
 
     methods = [Method("target alone")]
@@ -282,12 +286,21 @@ def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False):
     methods.append(Method("prompt lookup", {"prompt_lookup_num_tokens": lookup_tokens}))
     for name, drafter in drafters.items():
         for mode in ("chain", "tree"):
-            methods.append(Method(f"{name} {mode}", {"assistant_model": drafter}, {"speculation_mode": mode}))
+            methods.append(Method(f"{name} {mode}", {"assistant_model": drafter},
+                                  {"speculation_mode": mode, "sampling_shape": None}))
+        shape = getattr(drafter.generation_config, "sampling_shape", None)
+        if sampling and shape:
+            width, depth = shape["tree_top_k"], shape["tree_depth"]
+            methods.append(Method(f"{name} sampling shape", {"assistant_model": drafter}, {
+                "speculation_mode": "chain" if width == 1 else "tree", "num_assistant_tokens": depth,
+                "tree_top_k": width, "tree_depth": depth, "tree_total_tokens": shape["tree_total_tokens"],
+                "sampling_shape": None}))
     if verify_modes and "EAGLE 3.1" in drafters:  # the options measured: micro-batched and bit-exact verification
         drafter = {"assistant_model": drafters["EAGLE 3.1"]}
         methods.append(Method("EAGLE 3.1 tree, micro-batched verify", drafter,
-                              {"speculation_mode": "tree", "verify_chunk_depth": 2}))
-        methods.append(Method("EAGLE 3.1 tree, exact verify", drafter, {"speculation_mode": "tree", "verify_mode": "exact"}))
+                              {"speculation_mode": "tree", "verify_chunk_depth": 2, "sampling_shape": None}))
+        methods.append(Method("EAGLE 3.1 tree, exact verify", drafter,
+                              {"speculation_mode": "tree", "verify_mode": "exact", "sampling_shape": None}))
     return methods
 
 
@@ -374,9 +387,9 @@ def run(args: argparse.Namespace) -> int:
         tuning = shipped_tuning(args)
         meta["tuning_source"] = "each drafter's tuning.json (measured when it was shipped)" if tuning else None
     else:
-        tuning = tune(target, drafters, calibration, args.max_new_tokens, out, args.resume)
+        tuning = tune(target, drafters, calibration, args.max_new_tokens, out, args.resume, args.temperature)
         meta["tuning_source"] = "this run (calibration prompts, then this device's costs)"
-    methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes)
+    methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes, args.temperature > 0)
     per_dataset = run_in_parts(target, measured, methods, args)
     results = combine([r for r, _ in per_dataset.values()])
     prompts = sum(n for _, n in per_dataset.values())

@@ -68,7 +68,8 @@ def headline(results: list[MethodResult], prompts: int) -> list[str]:
     each baseline, and EAGLE 3.1 against EAGLE-3 in each mode (tau, and acceptance at depth >= DEEP)."""
     by_name = {r.name: r for r in results}
     lines = []
-    eagle31 = [by_name[name] for name in ("EAGLE 3.1 chain", "EAGLE 3.1 tree") if name in by_name]
+    eagle31 = [by_name[name] for name in ("EAGLE 3.1 chain", "EAGLE 3.1 tree", "EAGLE 3.1 sampling shape")
+               if name in by_name]
     if eagle31:
         best = max(eagle31, key=lambda r: r.tokens_per_second)
         for baseline in (results[0].name, "assisted (small LM)", "prompt lookup"):
@@ -93,11 +94,13 @@ def tuning_table(tuning: dict[str, dict]) -> str:
     for name, report in tuning.items():
         ratios = report["verify_cost_ratio"]
         lines.append(f"**{name}**: verify cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
-        for label in ("best_chain", "best_tree"):
-            shape = report.get(label)
+        sampling = report.get("sampling") or {}
+        shapes = {"best chain": report.get("best_chain"), "best tree": report.get("best_tree"),
+                  f"sampling at temperature {sampling.get('temperature')}": sampling.get("shape")}
+        for label, shape in shapes.items():
             if shape:
                 lines.append(
-                    f"{label.replace('_', ' ')}: top-k {shape['tree_top_k']}, depth {shape['tree_depth']}, "
+                    f"{label}: top-k {shape['tree_top_k']}, depth {shape['tree_depth']}, "
                     f"{shape['tree_total_tokens']} tokens (predicted tau {shape['tau']:.2f}, "
                     f"predicted speedup {shape['speedup']:.2f}x)"
                 )
