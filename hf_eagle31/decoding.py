@@ -71,6 +71,7 @@ class Speculation:
     verify_mode: str  # VerifyPlan's mode
     compiled: Callable | None = None  # the target's compiled call (static cache, compile_config)
     block_size: int = 0  # with `compiled`: every verify block padded to this many tokens, one graph per call
+    lean: bool = False  # the target's verify forwards skip transformers' module dispatch (llama_verify.py)
 
 
 @dataclass
@@ -257,7 +258,7 @@ def eagle_decoding(
             tokens, positions, mask = _block(trees, ancestors, blocks, roots, pad, speculation.block_size if fixed else 0)
             plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, key_mask, input_ids.shape[1], batch_size)
             logits, block_features = verify_forward(model, cache, plan, tokens, positions, layer_ids,
-                                                    speculation.compiled if fixed else None)
+                                                    speculation.compiled if fixed else None, speculation.lean)
             kept = []
             for b, (row, block, step) in enumerate(zip(rows, blocks, steps)):
                 if step.next_root is None:

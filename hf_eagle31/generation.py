@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.generation import GenerationMixin
 
+from hf_eagle31 import llama_verify
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_ids
 from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.decoding import Speculation, eagle_decoding
@@ -356,6 +357,7 @@ def install() -> None:
             speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
         pack = packs_weights(drafter)  # a compiled forward calls the packed products as opaque ops (packing.py)
         with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
+            speculation.lean = llama_verify.fits(self)
             return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
 
     @functools.wraps(extract)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hf_eagle31 import llama_verify
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.generation import eagle_verification, packs_weights, verify_mode
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -84,12 +85,14 @@ def verify_cost_curve(
     with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
+        lean = llama_verify.fits(target)
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
             plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
 
             def forward():
-                verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None], target_layer_ids)
+                verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None], target_layer_ids,
+                               lean=lean)
                 cache.crop(-n)
 
             forward()  # warm-up
@@ -142,9 +145,10 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
         tokens = torch.randint(3, vocab, (batch, n), device=device)
         positions = (context + torch.arange(n, device=device)).expand(batch, n)
         plan = VerifyPlan.for_cache(torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch, n, n), cache)
+        lean = llama_verify.fits(target)  # as decoding decides it, on packed weights or not
 
         def forward():
-            verify_forward(target, cache, plan, tokens, positions, drafter.config.target_layer_ids)
+            verify_forward(target, cache, plan, tokens, positions, drafter.config.target_layer_ids, lean=lean)
             cache.crop(-n)
 
         forward()  # warm-up

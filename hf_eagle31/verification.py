@@ -35,6 +35,7 @@ from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from hf_eagle31 import llama_verify
 from hf_eagle31.drafting import DraftTree, truncate_cache
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention
@@ -383,7 +384,7 @@ def static_capacity(cache: Cache) -> int | None:
 
 def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, tokens: torch.Tensor,
                    positions: torch.Tensor, target_layer_ids: list[int],
-                   compiled: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   compiled: Callable | None = None, lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over every row's block (`tokens`, `positions` `[B, n]`, the target in
     `eagle_verification` mode): raw float logits `[B, n, V]` and the drafter's features `[B, n, 3 H_t]`.
 
@@ -391,8 +392,12 @@ def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, toke
     `compact_cache` has picked the accepted entries (and only then drops what falls out of its window).
     `compiled` is the target's compiled call (transformers' `compile_config` path, a "batched" plan on a
     static cache): the 4D mask alone then carries the plan, the target's own attention applies it, and
-    dynamo traces one graph per block size.
+    dynamo traces one graph per block size. `lean`: the target `llama_verify.fits` (a Llama on packed weights),
+    whose forward then skips transformers' module dispatch, with the same result.
     """
+    if lean and compiled is None and target.config._attn_implementation == ATTENTION_NAME and \
+            llama_verify.fits_step(cache, plan):
+        return llama_verify.llama_verify_forward(target, cache, plan, tokens, positions, target_layer_ids)
     cache.activate_past_recording()
     total = static_capacity(cache) or int(cache.get_seq_length()) + tokens.shape[1]
     inputs = dict(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,

@@ -1,0 +1,88 @@
+"""The lean verify forward of a Llama target (hf_eagle31/llama_verify.py) against transformers' own forward."""
+
+import pytest
+import torch
+from tiny_models import PROMPTS, make_target, trained_pair
+from transformers import DynamicCache
+
+from hf_eagle31 import llama_verify
+from hf_eagle31.generation import eagle_verification
+from hf_eagle31.packing import can_pack, fast_bf16, packed_weights
+from hf_eagle31.verification import VerifyPlan, verify_forward
+
+pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
+
+LAYER_IDS = [1, 3, 6]  # 6: the last, the final norm's output (transformers' last hidden state)
+TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+
+
+def both_forwards(target, prompts, attention_mask):
+    """The same verify block after the same prefix, through transformers' forward and the lean one, with the
+    caches each left behind."""
+    results = []
+    for lean in (False, True):
+        with torch.no_grad(), eagle_verification(target), packed_weights(target):
+            cache = DynamicCache(config=target.config)
+            target(prompts, attention_mask=attention_mask, past_key_values=cache)
+            plan = VerifyPlan.for_cache(TREE.expand(len(prompts), -1, -1), cache, "batched", attention_mask.bool(),
+                                        prompts.shape[1], len(prompts))
+            assert llama_verify.fits(target) and llama_verify.fits_step(cache, plan)
+            tokens = torch.tensor([[5, 9, 17, 33, 65]]).expand(len(prompts), -1)
+            positions = attention_mask.sum(-1, keepdim=True) + torch.tensor([[0, 1, 1, 2, 2]])
+            logits, features = verify_forward(target, cache, plan, tokens, positions, LAYER_IDS, lean=lean)
+            results.append((logits, features, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lean_forward_equals_transformers_forward_bit_for_bit(dtype, tied):
+    if dtype == torch.bfloat16 and not fast_bf16(torch.device("cpu")):
+        pytest.skip("bf16 weights are packed only where oneDNN computes bf16")
+    target = make_target(seed=7, dtype=dtype)
+    if tied:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    prompts = PROMPTS[:2, :12]
+    attention_mask = torch.ones_like(prompts)
+    attention_mask[1, :3] = 0  # a left-padded row
+    (logits, features, cache), (lean_logits, lean_features, lean_cache) = both_forwards(
+        target, prompts, attention_mask)
+    assert logits.dtype == torch.float32 and features.shape == (2, 5, 3 * target.config.hidden_size)
+    assert torch.equal(lean_logits, logits)
+    assert torch.equal(lean_features, features)
+    assert all(torch.equal(a, b) for layer, lean_layer in zip(cache, lean_cache) for a, b in zip(layer, lean_layer))
+
+
+def test_only_targets_it_computes_exactly_take_the_lean_forward():
+    """Another architecture, weights not packed, a hook, another verify mode or a sliding window: transformers' forward."""
+    target = make_target(seed=7)
+    prompts = PROMPTS[:1, :8]
+
+    def fits(model, pack=True):
+        with torch.no_grad(), eagle_verification(model), packed_weights(model, pack):
+            model(prompts, output_hidden_states=[1])  # transformers leaves its (inert) capturing hooks behind
+            return llama_verify.fits(model)
+
+    assert fits(target)
+    assert not fits(target, pack=False)
+    assert not fits(make_target("qwen2"))
+    assert not fits(make_target("mistral"))
+    for module in (target.model.layers[2].mlp, target.model.layers[0].self_attn.k_proj, target.model.norm):
+        handle = module.register_forward_hook(lambda *args: None)
+        assert not fits(target)
+        handle.remove()
+    assert fits(target)
+    cache = DynamicCache(config=target.config)
+    target(prompts, past_key_values=cache)
+    assert llama_verify.fits_step(cache, VerifyPlan.for_cache(TREE[None], cache, "batched"))
+    assert not llama_verify.fits_step(cache, VerifyPlan.for_cache(TREE[None], cache, "exact"))
+
+
+def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypatch):
+    target, drafter = trained_pair(tree_depth=3, tree_top_k=3, tree_total_tokens=6)
+    calls = []
+    lean_forward = llama_verify.llama_verify_forward
+    monkeypatch.setattr(llama_verify, "llama_verify_forward", lambda *args: calls.append(1) or lean_forward(*args))
+    plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24)
+    eagle = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24, assistant_model=drafter)
+    assert calls and torch.equal(eagle, plain)
