@@ -1,14 +1,15 @@
 """A Llama target's verify forward on packed weights: transformers' own ops, without its module dispatch.
 
-Why: on a CPU, a verify forward of SmolLM2-135M spends about a sixth of its time (~7 of 43 ms, 2
-threads) in transformers' machinery around the products: module calls, keyword plumbing, the
-attention interface, output capturing. Serving engines compile that away; `torch.compile` did not
-gain here (docs/benchmarks.md). The forward below runs the same torch ops in the same order on the
-same packed weights and cache, so its logits and features equal the transformers path's bit for
-bit (tests/test_llama_verify.py compares them), and it runs only where that holds by construction:
+Why: on a CPU, a verify forward of SmolLM2-135M on packed weights spends 2-4 ms of 35-40 (2 threads)
+in transformers' machinery around the products: module calls, keyword plumbing, the attention
+interface, output capturing. Serving engines compile that away; `torch.compile` did not gain here
+(docs/benchmarks.md). The forward below runs the same torch ops in the same order (transformers' own
+norm and rotary functions, SDPA called as EAGLE's attention function calls it) on the same packed
+weights and cache, so its logits, features and cache equal the transformers path's bit for bit
+(tests/test_llama_verify.py compares them). It runs only where that holds by construction:
 transformers' own Llama classes, every projection packed (packing.py), no hooks or replaced forwards
-on the modules it steps over, a cache of growing layers, a "batched" plan. Anything else, on any
-device, runs the target's own forward.
+on the modules it steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
+Anything else, on any device, runs the target's own forward.
 """
 
 from __future__ import annotations
@@ -25,17 +26,23 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaModel,
     LlamaRMSNorm,
+    apply_rotary_pos_emb,
 )
 from transformers.utils import output_capturing
 
-LINEAR = torch.ops.mkldnn._linear_pointwise
+OWN_HOOKS = "hf_eagle31.verification"  # the target's "exact"-mode switch (`exact_mode_hooks`), idle in a "batched" plan
+
+
+def _hooked_only_by(module: nn.Module, *owners: str) -> bool:
+    """Whether every hook on the module comes from one of these modules."""
+    hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+    return all(hook.__module__ in owners for hook in hooks)
 
 
 def _no_hooks(module: nn.Module) -> bool:
     """No hooks but transformers' output capturing ones, which record only inside a transformers forward that asks
     (it installs them for good at the first `output_hidden_states`; the lean forward captures its own features)."""
-    return not module._forward_pre_hooks and all(hook.__module__ == output_capturing.__name__
-                                                 for hook in module._forward_hooks.values())
+    return _hooked_only_by(module, output_capturing.__name__)
 
 
 def _quiet(module: nn.Module) -> bool:
@@ -68,54 +75,39 @@ def _fits_layer(layer: nn.Module) -> bool:
 
 def fits(target: PreTrainedModel) -> bool:
     """Whether `llama_verify_forward` computes the target's verify forwards exactly as `target(...)` would, where
-    `fits_step` too. Checked once per call, after packing: it walks every module (~1 ms)."""
+    `fits_step` too. Checked once per call, after packing: it walks every module (about a millisecond)."""
     model = getattr(target, "model", None)
     if target.training or type(model) is not LlamaModel or type(model.norm) is not LlamaRMSNorm:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:  # apply to every module
         return False
+    if "forward" in vars(target) or not _hooked_only_by(target, output_capturing.__name__, OWN_HOOKS):
+        return False  # the LM head runs as a module: its hooks see every forward
     return all(map(_quiet, (model, model.embed_tokens, model.rotary_emb, model.norm))) and \
         all(map(_fits_layer, model.layers))
 
 
 def fits_step(cache: Cache, plan) -> bool:
-    """Whether this verify forward is one `llama_verify_forward` computes: a "batched" plan, growing cache layers."""
+    """Whether this verify forward is one `llama_verify_forward` computes: a "batched" plan, dynamic cache layers."""
     return plan.mode == "batched" and not plan.held and all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-def _rms_norm(norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
-
-
-def _product(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    group = layer.packed
-    return LINEAR(x.contiguous(), group.weight, group.bias, "none", [], "")
 
 
 def _attention(attention: LlamaAttention, x: torch.Tensor, cos, sin, cache: Cache, plan) -> torch.Tensor:
     shape = (*x.shape[:-1], -1, attention.head_dim)
     query, key, value = (part.view(shape).transpose(1, 2)
-                         for part in _product(x, attention.q_proj).split(attention.q_proj.packed.sizes, dim=-1))
-    query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+                         for part in attention.q_proj.packed.whole(x).split(attention.q_proj.packed.sizes, dim=-1))
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attention.layer_idx)
     mask = plan.additive_layer_mask(key.shape[2], None, query.dtype)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attention.scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     out = out.transpose(1, 2).contiguous().reshape(*x.shape[:-1], -1).contiguous()
-    return _product(out, attention.o_proj)
+    return attention.o_proj.packed.whole(out)
 
 
 def _mlp(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
-    gate, up = _product(x, mlp.gate_proj).split(mlp.gate_proj.packed.sizes, dim=-1)
-    return _product(mlp.act_fn(gate) * up, mlp.down_proj)
+    gate, up = mlp.gate_proj.packed.whole(x).split(mlp.gate_proj.packed.sizes, dim=-1)
+    return mlp.down_proj.packed.whole(mlp.act_fn(gate) * up)
 
 
 def llama_verify_forward(target: PreTrainedModel, cache: Cache, plan, tokens: torch.Tensor, positions: torch.Tensor,
@@ -124,12 +116,11 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, plan, tokens: to
     model = target.model
     x = model.embed_tokens(tokens)
     cos, sin = model.rotary_emb(x, position_ids=positions)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         states[index] = x
-        x = x + _attention(layer.self_attn, _rms_norm(layer.input_layernorm, x), cos, sin, cache, plan)
-        x = x + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, x))
-    x = _rms_norm(model.norm, x)
+        x = x + _attention(layer.self_attn, LlamaRMSNorm.forward(layer.input_layernorm, x), cos, sin, cache, plan)
+        x = x + _mlp(layer.mlp, LlamaRMSNorm.forward(layer.post_attention_layernorm, x))
+    x = LlamaRMSNorm.forward(model.norm, x)
     states[model.config.num_hidden_layers] = x
     return target.lm_head(x).float(), torch.cat([states[i] for i in target_layer_ids], dim=-1)

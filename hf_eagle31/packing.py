@@ -73,13 +73,17 @@ class PackedGroup:
     sizes: list[int]  # each member's output features
     pending: tuple | None = None  # (input, its version, the outputs not yet taken)
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's output, side by side in the last dimension: the one product."""
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
     def product(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if len(self.sizes) == 1:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+            return self.whole(x)
         pending = self.pending  # read once: a call in another thread may replace it, and then this one recomputes
         version = None if x.is_inference() else x._version  # changed in place since? (inference tensors keep no count)
         if pending is None or pending[0] is not x or pending[1] != version or pending[2][member] is None:
-            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+            out = self.whole(x)
             pending = self.pending = (x, version, list(out.split(self.sizes, dim=-1)))
         out, pending[2][member] = pending[2][member], None
         if self.pending is pending and all(o is None for o in pending[2]):

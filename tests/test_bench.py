@@ -7,8 +7,10 @@ import pytest
 import torch
 from tiny_models import PROMPTS, trained_pair
 
+from hf_eagle31 import llama_verify
 from hf_eagle31.bench.report import write_results
 from hf_eagle31.bench.runner import Method, run_all
+from hf_eagle31.packing import can_pack
 from hf_eagle31.tuning import apply_choice, choose_tree_shape, projected_tau, verify_cost_curve
 
 
@@ -63,8 +65,16 @@ def test_tree_shape_choice_and_verify_curve():
     assert settings.speculation_mode == ("chain" if report.choice["tree_top_k"] == 1 else "tree")
 
 
-def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path):
+def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path, monkeypatch):
     target, drafter = trained_pair("llama", True)
+    lean_forwards = []  # the bench times the verify forward decoding runs (on a CPU the lean one), counting it
+    lean_forward = llama_verify.llama_verify_forward
+
+    def counted_lean_forward(model, *args):
+        lean_forwards.append(bool(model.lm_head._forward_pre_hooks))  # while the bench counts forwards
+        return lean_forward(model, *args)
+
+    monkeypatch.setattr(llama_verify, "llama_verify_forward", counted_lean_forward)
     prompts = [PROMPTS[i : i + 1] for i in range(2)]
     methods = [
         Method("target alone"),
@@ -79,6 +89,9 @@ def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path):
     assert results[0].identical_prompts is None and all(r.new_tokens == 2 * 24 for r in results)
     assert results[0].step_seconds is None and 0 < results[3].step_seconds < results[3].seconds  # the loop's part
     assert results[3].tau(len(prompts)) > 1.5 and results[3].acceptance_per_depth[0] > 0.5
+    # every drafted step is a target forward, the lean verify forward's (llama_verify.py) included
+    assert all(r.target_forwards >= r.reached[0] + len(prompts) for r in results[2:])
+    assert any(lean_forwards) or not can_pack(target)
     payload = write_results(tmp_path, results, len(prompts), {"date": "today"}, {})
     assert json.loads((tmp_path / "results.json").read_text())["methods"][3]["name"] == "EAGLE 3.1 tree"
     assert "| EAGLE 3.1 tree |" in (tmp_path / "results.md").read_text()

@@ -67,7 +67,7 @@ def test_only_targets_it_computes_exactly_take_the_lean_forward():
     assert not fits(target, pack=False)
     assert not fits(make_target("qwen2"))
     assert not fits(make_target("mistral"))
-    for module in (target.model.layers[2].mlp, target.model.layers[0].self_attn.k_proj, target.model.norm):
+    for module in (target, target.model.layers[2].mlp, target.model.layers[0].self_attn.k_proj, target.model.norm):
         handle = module.register_forward_hook(lambda *args: None)
         assert not fits(target)
         handle.remove()

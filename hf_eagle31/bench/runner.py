@@ -103,8 +103,12 @@ def peak_memory(device: torch.device):
 
 @contextmanager
 def count_forwards(model: PreTrainedModel):
+    """Target forwards, counted at the LM head: every forward runs it once, EAGLE's lean verify forward
+    (llama_verify.py) too, which a hook on the model itself would turn off."""
     calls = [0]
-    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    head = model.get_output_embeddings()
+    counted = model if head is None else head
+    handle = counted.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     try:
         yield calls
     finally:
