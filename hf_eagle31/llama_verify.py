@@ -4,7 +4,7 @@ Why: on a CPU, a verify forward of SmolLM2-135M on packed weights spends 2-4 ms 
 in transformers' machinery around the products: module calls, keyword plumbing, the attention
 interface, output capturing. Serving engines compile that away; `torch.compile` did not gain here
 (docs/benchmarks.md). The forward below runs the same torch ops in the same order (transformers' own
-norm and rotary functions, SDPA called as EAGLE's attention function calls it) on the same packed
+norm and rotary functions, EAGLE's own attention function) on the same packed
 weights and cache, so its logits, features and cache equal the transformers path's bit for bit
 (tests/test_llama_verify.py compares them). It runs only where that holds by construction:
 transformers' own Llama classes, every projection packed (packing.py), no hooks or replaced forwards
@@ -15,7 +15,6 @@ Anything else, on any device, runs the target's own forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers import Cache, PreTrainedModel
@@ -30,7 +29,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import output_capturing
 
-OWN_HOOKS = "hf_eagle31.verification"  # the target's "exact"-mode switch (`exact_mode_hooks`), idle in a "batched" plan
+from hf_eagle31 import verification  # its `verify_forward` calls this module's forward (a cycle Python resolves)
 
 
 def _hooked_only_by(module: nn.Module, *owners: str) -> bool:
@@ -77,12 +76,15 @@ def fits(target: PreTrainedModel) -> bool:
     """Whether `llama_verify_forward` computes the target's verify forwards exactly as `target(...)` would, where
     `fits_step` too. Checked once per call, after packing: it walks every module (about a millisecond)."""
     model = getattr(target, "model", None)
-    if target.training or type(model) is not LlamaModel or type(model.norm) is not LlamaRMSNorm:
+    if target.training or type(model) is not LlamaModel or type(model.norm) is not LlamaRMSNorm or \
+            target.config._attn_implementation != verification.ATTENTION_NAME:  # SDPA under EAGLE's attention
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:  # apply to every module
         return False
-    if "forward" in vars(target) or not _hooked_only_by(target, output_capturing.__name__, OWN_HOOKS):
-        return False  # the LM head runs as a module: its hooks see every forward
+    # our own hooks on the target switch "exact" verification on, idle in a "batched" plan (`exact_mode_hooks`);
+    # the LM head runs as a module: its hooks see every forward
+    if "forward" in vars(target) or not _hooked_only_by(target, output_capturing.__name__, verification.__name__):
+        return False
     return all(map(_quiet, (model, model.embed_tokens, model.rotary_emb, model.norm))) and \
         all(map(_fits_layer, model.layers))
 
@@ -98,10 +100,9 @@ def _attention(attention: LlamaAttention, x: torch.Tensor, cos, sin, cache: Cach
                          for part in attention.q_proj.packed.whole(x).split(attention.q_proj.packed.sizes, dim=-1))
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attention.layer_idx)
-    mask = plan.additive_layer_mask(key.shape[2], None, query.dtype)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attention.scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
-    out = out.transpose(1, 2).contiguous().reshape(*x.shape[:-1], -1).contiguous()
+    out, _ = verification.tree_attention_forward(attention, query, key, value, None, scaling=attention.scaling,
+                                                 eagle_verify_plan=plan)
+    out = out.reshape(*x.shape[:-1], -1).contiguous()
     return attention.o_proj.packed.whole(out)
 
 

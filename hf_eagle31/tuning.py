@@ -141,11 +141,10 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     verify, draft, plain = {}, {}, {}
     pack = packs_weights(drafter)
 
-    def block_cost(cache: DynamicCache, batch: int, n: int) -> float:
+    def block_cost(cache: DynamicCache, batch: int, n: int, lean: bool = False) -> float:
         tokens = torch.randint(3, vocab, (batch, n), device=device)
         positions = (context + torch.arange(n, device=device)).expand(batch, n)
         plan = VerifyPlan.for_cache(torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch, n, n), cache)
-        lean = llama_verify.fits(target)  # as decoding decides it, on packed weights or not
 
         def forward():
             verify_forward(target, cache, plan, tokens, positions, drafter.config.target_layer_ids, lean=lean)
@@ -160,7 +159,8 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
             plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
             with packed_weights(target, pack), packed_weights(drafter, pack):
-                verify[batch] = {n: block_cost(cache, batch, n) for n in BATCH_BLOCK_SIZES}
+                lean = llama_verify.fits(target)  # as decoding decides it, once the weights are packed
+                verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
                 draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
                                     for d in range(1, max_depth + 1)} for k in top_ks}
     return {"verify_seconds": verify, "draft_seconds": draft, "plain_seconds": plain}

@@ -395,8 +395,7 @@ def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, toke
     dynamo traces one graph per block size. `lean`: the target `llama_verify.fits` (a Llama on packed weights),
     whose forward then skips transformers' module dispatch, with the same result.
     """
-    if lean and compiled is None and target.config._attn_implementation == ATTENTION_NAME and \
-            llama_verify.fits_step(cache, plan):
+    if lean and compiled is None and llama_verify.fits_step(cache, plan):
         return llama_verify.llama_verify_forward(target, cache, plan, tokens, positions, target_layer_ids)
     cache.activate_past_recording()
     total = static_capacity(cache) or int(cache.get_seq_length()) + tokens.shape[1]
