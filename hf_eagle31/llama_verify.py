@@ -85,7 +85,8 @@ def fits(target: PreTrainedModel) -> bool:
     # the LM head runs as a module: its hooks see every forward
     if "forward" in vars(target) or not _hooked_only_by(target, output_capturing.__name__, verification.__name__):
         return False
-    return all(map(_quiet, (model, model.embed_tokens, model.rotary_emb, model.norm))) and \
+    # the embedding, like the LM head, runs as a module (packing.py may have it read rows from the packed head)
+    return _no_hooks(model.embed_tokens) and all(map(_quiet, (model, model.rotary_emb, model.norm))) and \
         all(map(_fits_layer, model.layers))
 
 

@@ -7,7 +7,15 @@ from tiny_models import PROMPTS, make_target, trained_pair
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
-from hf_eagle31.packing import can_pack, pack_linears, packed_weights, unpack_linears
+from hf_eagle31.packing import (
+    BATCH_HINT,
+    _memory_of,
+    _row_layout,
+    can_pack,
+    pack_linears,
+    packed_weights,
+    unpack_linears,
+)
 
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 
@@ -53,12 +61,69 @@ def test_siblings_are_one_product_and_each_takes_its_own_output():
         assert torch.allclose(attention.k_proj(x / 2), expected["k_proj"], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("length", [1, 3, 5, 9])  # MKL's transposed product for 2-4 rows, oneDNN's otherwise
-def test_weights_tied_to_another_module_stay_as_they_are_and_compute_the_same(length):
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+def tied_model(embedding_class=None, dtype=torch.float32):
+    config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).eval()
+    if embedding_class is not None:
+        model.model.embed_tokens = embedding_class(config.vocab_size, config.hidden_size)
+        model.tie_weights()
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model.to(dtype)
+
+
+class ScaledEmbedding(torch.nn.Embedding):  # Gemma's: scales what nn.Embedding's forward looks up
+    def forward(self, ids):
+        return super().forward(ids) * 4.0
+
+
+class IndexingEmbedding(torch.nn.Embedding):  # reads its weight without F.embedding
+    def forward(self, ids):
+        return self.weight[ids]
+
+
+@pytest.mark.parametrize("shape", [(1000, 32), (1001, 40), (49152, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_of_a_packed_weight_is_found_where_the_layout_says(shape, dtype):
+    weight = torch.randn(shape).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    starts, offsets = _row_layout(shape, dtype)
+    assert torch.equal(_memory_of(packed)[starts.unsqueeze(-1) + offsets], weight)
+
+
+@pytest.mark.parametrize("embedding_class", [None, ScaledEmbedding])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 3, 9])
+def test_a_tied_head_is_packed_and_its_embedding_reads_rows_from_it(embedding_class, dtype, length):
+    model = tied_model(embedding_class, dtype)
+    ids = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 23, 999][-length:]])
+    reference, looked_up = model(ids).logits, model.model.embed_tokens(ids)
+    swapped = pack_linears(model)
+    assert hasattr(model.lm_head, "packed") and torch.isnan(model.model.embed_tokens.weight).all()  # no second copy
+    assert torch.equal(model.model.embed_tokens(ids), looked_up)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(model(ids).logits, reference, atol=tolerance, rtol=tolerance)
+    unpack_linears(swapped)
+    assert not any("forward" in vars(m) or hasattr(m, "packed_rows") for m in model.modules())
+    assert torch.equal(model(ids).logits, reference)
+
+
+def test_a_tied_head_whose_embedding_bypasses_f_embedding_is_multiplied_transposed():
+    model = tied_model(IndexingEmbedding)
+    ids = torch.tensor([[3, 5, 7, 11, 13]])
+    reference = model(ids).logits
+    swapped = pack_linears(model)
+    assert not hasattr(model.lm_head, "packed") and torch.isfinite(model.model.embed_tokens.weight).all()
+    assert torch.allclose(model(ids).logits, reference, atol=1e-5, rtol=1e-4)
+    unpack_linears(swapped)
+    assert "forward" not in vars(model.lm_head) and torch.equal(model(ids).logits, reference)
+
+
+@pytest.mark.parametrize("length", [1, 3, 5, 9])  # MKL's transposed product for 2-4 rows, oneDNN's otherwise
+def test_a_weight_tied_to_more_than_an_embedding_stays_as_it_is_and_computes_the_same(length):
+    model = tied_model()
+    model.extra_head = torch.nn.Linear(32, 1000, bias=False)
+    model.extra_head.weight = model.lm_head.weight  # a third user: the packed memory could not serve it
     ids = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 23, 29][:length]])
     reference = model(ids).logits
     swapped = pack_linears(model)
