@@ -1,4 +1,4 @@
-"""A Llama target's verify forward on packed weights: transformers' own ops, without its module dispatch.
+"""A Llama-family target's verify forward on packed weights: transformers' own ops, without its module dispatch.
 
 Why: on a CPU, a verify forward of SmolLM2-135M on packed weights spends 2-4 ms of 35-40 (2 threads)
 in transformers' machinery around the products: module calls, keyword plumbing, the attention
@@ -7,29 +7,50 @@ interface, output capturing. Serving engines compile that away; `torch.compile` 
 norm and rotary functions, EAGLE's own attention function) on the same packed
 weights and cache, so its logits, features and cache equal the transformers path's bit for bit
 (tests/test_llama_verify.py compares them). It runs only where that holds by construction:
-transformers' own Llama classes, every projection packed (packing.py), no hooks or replaced forwards
-on the modules it steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
+transformers' own Llama, Mistral or Qwen2 classes (one layer design: `FAMILIES`) without sliding
+windows, every projection packed (packing.py), no hooks or replaced forwards on the modules it
+steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
 Anything else, on any device, runs the target's own forward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaMLP,
-    LlamaModel,
-    LlamaRMSNorm,
-    apply_rotary_pos_emb,
-)
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.mistral import modeling_mistral as mistral
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.utils import output_capturing
 
 from hf_eagle31 import verification  # its `verify_forward` calls this module's forward (a cycle Python resolves)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's classes and rotary function: the same layer design as Llama's (Qwen2 adds q/k/v biases,
+    which the packed products carry)."""
+
+    layer: type
+    attention: type
+    mlp: type
+    norm: type
+    rotary: Callable
+
+
+FAMILIES = {
+    llama.LlamaModel: Family(llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm,
+                             llama.apply_rotary_pos_emb),
+    mistral.MistralModel: Family(mistral.MistralDecoderLayer, mistral.MistralAttention, mistral.MistralMLP,
+                                 mistral.MistralRMSNorm, mistral.apply_rotary_pos_emb),
+    qwen2.Qwen2Model: Family(qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP, qwen2.Qwen2RMSNorm,
+                             qwen2.apply_rotary_pos_emb),
+}
 
 
 def _hooked_only_by(module: nn.Module, *owners: str) -> bool:
@@ -57,11 +78,16 @@ def _one_product(*members: nn.Linear) -> bool:
         for index, member in enumerate(members))
 
 
-def _fits_layer(layer: nn.Module) -> bool:
+def _window(attention: nn.Module) -> int | None:
+    """The sliding window the layer's attention passes on (Qwen2 sets it per layer, Mistral for all)."""
+    return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
+
+
+def _fits_layer(layer: nn.Module, family: Family) -> bool:
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if not (type(layer) is LlamaDecoderLayer and type(attention) is LlamaAttention and type(mlp) is LlamaMLP and
-            type(layer.input_layernorm) is LlamaRMSNorm and type(layer.post_attention_layernorm) is LlamaRMSNorm and
-            isinstance(mlp.act_fn, nn.Module)):
+    if not (type(layer) is family.layer and type(attention) is family.attention and type(mlp) is family.mlp and
+            type(layer.input_layernorm) is family.norm and type(layer.post_attention_layernorm) is family.norm and
+            isinstance(mlp.act_fn, nn.Module) and _window(attention) is None):
         return False
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
@@ -76,7 +102,8 @@ def fits(target: PreTrainedModel) -> bool:
     """Whether `llama_verify_forward` computes the target's verify forwards exactly as `target(...)` would, where
     `fits_step` too. Checked once per call, after packing: it walks every module (about a millisecond)."""
     model = getattr(target, "model", None)
-    if target.training or type(model) is not LlamaModel or type(model.norm) is not LlamaRMSNorm or \
+    family = FAMILIES.get(type(model))
+    if target.training or family is None or type(model.norm) is not family.norm or \
             target.config._attn_implementation != verification.ATTENTION_NAME:  # SDPA under EAGLE's attention
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:  # apply to every module
@@ -87,7 +114,7 @@ def fits(target: PreTrainedModel) -> bool:
         return False
     # the embedding, like the LM head, runs as a module (packing.py may have it read rows from the packed head)
     return _no_hooks(model.embed_tokens) and all(map(_quiet, (model, model.rotary_emb, model.norm))) and \
-        all(map(_fits_layer, model.layers))
+        all(_fits_layer(layer, family) for layer in model.layers)
 
 
 def fits_step(cache: Cache, plan) -> bool:
@@ -95,11 +122,11 @@ def fits_step(cache: Cache, plan) -> bool:
     return plan.mode == "batched" and not plan.held and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def _attention(attention: LlamaAttention, x: torch.Tensor, cos, sin, cache: Cache, plan) -> torch.Tensor:
+def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: Cache, plan, rotary: Callable) -> torch.Tensor:
     shape = (*x.shape[:-1], -1, attention.head_dim)
     query, key, value = (part.view(shape).transpose(1, 2)
                          for part in attention.q_proj.packed.whole(x).split(attention.q_proj.packed.sizes, dim=-1))
-    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    query, key = rotary(query, key, cos, sin)
     key, value = cache.update(key, value, attention.layer_idx)
     out, _ = verification.tree_attention_forward(attention, query, key, value, None, scaling=attention.scaling,
                                                  eagle_verify_plan=plan)
@@ -107,7 +134,7 @@ def _attention(attention: LlamaAttention, x: torch.Tensor, cos, sin, cache: Cach
     return attention.o_proj.packed.whole(out)
 
 
-def _mlp(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = mlp.gate_proj.packed.whole(x).split(mlp.gate_proj.packed.sizes, dim=-1)
     return mlp.down_proj.packed.whole(mlp.act_fn(gate) * up)
 
@@ -116,13 +143,15 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, plan, tokens: to
                          target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify_forward`'s result where `fits` and `fits_step`: raw float logits `[B, n, V]`, features `[B, n, 3 H_t]`."""
     model = target.model
+    family = FAMILIES[type(model)]
     x = model.embed_tokens(tokens)
     cos, sin = model.rotary_emb(x, position_ids=positions)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         states[index] = x
-        x = x + _attention(layer.self_attn, LlamaRMSNorm.forward(layer.input_layernorm, x), cos, sin, cache, plan)
-        x = x + _mlp(layer.mlp, LlamaRMSNorm.forward(layer.post_attention_layernorm, x))
-    x = LlamaRMSNorm.forward(model.norm, x)
+        x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, cache, plan,
+                           family.rotary)
+        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x))
+    x = family.norm.forward(model.norm, x)
     states[model.config.num_hidden_layers] = x
     return target.lm_head(x).float(), torch.cat([states[i] for i in target_layer_ids], dim=-1)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from tiny_models import PROMPTS, make_target, trained_pair
-from transformers import DynamicCache
+from tiny_models import _COMMON, PROMPTS, make_target, trained_pair
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
 from hf_eagle31 import llama_verify
 from hf_eagle31.generation import eagle_verification
@@ -34,12 +34,13 @@ def both_forwards(target, prompts, attention_mask):
     return results
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v with biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_lean_forward_equals_transformers_forward_bit_for_bit(dtype, tied):
+def test_the_lean_forward_equals_transformers_forward_bit_for_bit(arch, dtype, tied):
     if dtype == torch.bfloat16 and not fast_bf16(torch.device("cpu")):
         pytest.skip("bf16 weights are packed only where oneDNN computes bf16")
-    target = make_target(seed=7, dtype=dtype)
+    target = make_target(arch, seed=7, dtype=dtype)
     if tied:
         target.lm_head.weight = target.model.embed_tokens.weight
     prompts = PROMPTS[:2, :12]
@@ -54,7 +55,8 @@ def test_the_lean_forward_equals_transformers_forward_bit_for_bit(dtype, tied):
 
 
 def test_only_targets_it_computes_exactly_take_the_lean_forward():
-    """Another architecture, weights not packed, a hook, another verify mode or a sliding window: transformers' forward."""
+    """Another architecture or a sliding window, weights not packed, a hook, another verify mode: transformers'
+    forward."""
     target = make_target(seed=7)
     prompts = PROMPTS[:1, :8]
 
@@ -65,8 +67,9 @@ def test_only_targets_it_computes_exactly_take_the_lean_forward():
 
     assert fits(target)
     assert not fits(target, pack=False)
-    assert not fits(make_target("qwen2"))
-    assert not fits(make_target("mistral"))
+    assert fits(make_target("qwen2")) and fits(make_target("mistral"))
+    assert not fits(MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=4)).eval())
+    assert not fits(GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4)).eval())
     for module in (target, target.model.layers[2].mlp, target.model.layers[0].self_attn.k_proj, target.model.norm):
         handle = module.register_forward_hook(lambda *args: None)
         assert not fits(target)
@@ -78,8 +81,9 @@ def test_only_targets_it_computes_exactly_take_the_lean_forward():
     assert not llama_verify.fits_step(cache, VerifyPlan.for_cache(TREE[None], cache, "exact"))
 
 
-def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypatch):
-    target, drafter = trained_pair(tree_depth=3, tree_top_k=3, tree_total_tokens=6)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypatch, arch):
+    target, drafter = trained_pair(arch, tree_depth=3, tree_top_k=3, tree_total_tokens=6)
     calls = []
     lean_forward = llama_verify.llama_verify_forward
     monkeypatch.setattr(llama_verify, "llama_verify_forward", lambda *args: calls.append(1) or lean_forward(*args))
