@@ -185,8 +185,8 @@ class PackedRows:
     offsets: torch.Tensor
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        places = self.starts[ids].unsqueeze(-1) + self.offsets
-        return self.memory.index_select(0, places.view(-1)).view(places.shape)  # 10x faster than memory[places]
+        places = self.starts.index_select(0, ids.reshape(-1)).unsqueeze(-1) + self.offsets  # index_select: 10x
+        return self.memory.index_select(0, places.view(-1)).view(*ids.shape, -1)  # faster than `memory[places]`
 
 
 class _RowsFromPacked(TorchFunctionMode):
@@ -205,6 +205,8 @@ class _RowsFromPacked(TorchFunctionMode):
 
 
 def _rows_forward(self: nn.Embedding, *args, **kwargs) -> torch.Tensor:
+    if type(self).forward is nn.Embedding.forward:  # a plain embedding: its rows, without the mode's ~30 us
+        return self.packed_rows(args[0] if args else kwargs["input"])
     with _RowsFromPacked(self):
         return type(self).forward(self, *args, **kwargs)
 
