@@ -10,7 +10,8 @@ The packed layout is a second copy of each weight. Rather than hold both, the ta
 packed copy *instead* of its own while EAGLE calls run on it: each linear layer's weight is
 reordered and its own storage released, and when the last call ends the packed copy is reordered
 back, a permutation, so the target gets bit for bit its own weights. Memory grows by one layer's
-weight at most, and plain decoding outside EAGLE runs on the target's own weights, untouched.
+weight at most (twice a tied head's, once a process, for the probes below), and plain decoding
+outside EAGLE runs on the target's own weights, untouched.
 An LM head tied to the embedding is packed too, and the embedding reads its rows straight from the
 packed memory (`PackedRows`): the layout is a fixed permutation, found once per shape by packing probe
 weights, so a row is a gather of known offsets and no second copy is held. SmolLM2's head, 7-10
@@ -228,7 +229,7 @@ def _tied_embeddings(users: dict[int, list[nn.Module]]) -> dict[int, tuple[nn.Em
         probe = torch.cat([torch.arange(min(64, count)), torch.arange(max(count - 64, 0), count),
                            torch.randint(count, (256,), generator=torch.Generator().manual_seed(0))]).unique()
         try:
-            ties[id(head)] = (embedding, probe, embedding(probe))
+            ties[id(head)] = (embedding, probe, type(embedding).forward(embedding, probe))  # no hooks fired
         except Exception:  # an embedding that wants more than ids: its head is multiplied transposed
             continue
     return ties
@@ -268,7 +269,7 @@ def _serve_rows(embedding: nn.Embedding, head: nn.Linear, expected: torch.Tensor
     embedding.packed_rows = PackedRows(head.packed.weight, _memory_of(head.packed.weight),
                                        *_row_layout(tuple(head.weight.shape), head.weight.dtype))
     embedding.forward = types.MethodType(_rows_forward, embedding)
-    return torch.equal(embedding(probe), expected)
+    return torch.equal(embedding.forward(probe), expected)
 
 
 @torch.inference_mode(False)  # a `generate` under inference mode must leave ordinary weights behind
