@@ -10,8 +10,7 @@ The packed layout is a second copy of each weight. Rather than hold both, the ta
 packed copy *instead* of its own while EAGLE calls run on it: each linear layer's weight is
 reordered and its own storage released, and when the last call ends the packed copy is reordered
 back, a permutation, so the target gets bit for bit its own weights. Memory grows by one layer's
-weight at most (twice a tied head's, once a process, for the probes below), and plain decoding
-outside EAGLE runs on the target's own weights, untouched.
+weight at most, and plain decoding outside EAGLE runs on the target's own weights, untouched.
 An LM head tied to the embedding is packed too, and the embedding reads its rows straight from the
 packed memory (`PackedRows`): the layout is a fixed permutation, found once per shape by packing probe
 weights, so a row is a gather of known offsets and no second copy is held. SmolLM2's head, 7-10
@@ -143,14 +142,13 @@ def _memory_of(packed: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=packed.dtype)
 
 
-@functools.cache
-def _row_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Element (r, c) of a packed weight of `shape` at `starts[r] + offsets[c]` of its memory, or None where
-    the probes find no such layout. A blocked layout splits so: each dimension's block indices add their own
-    strides, so the places of column 0 and of row 0 give every element's. Found once a process per shape by
-    packing probe weights that carry each index of column 0 (positive) and of row 0 (negative) in digits exact in
-    the dtype (base 2^24 in fp32, 256 in bf16: one probe and two or three); `pack_linears` checks rows of the
-    real weight."""
+PROBE_ROWS = 4096  # rows of the weights that probe a packed layout: 9-10 MB for SmolLM2's and Gemma's heads
+
+
+def _probed_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where column 0's and row 0's elements land in a packed weight of `shape`, from probe weights that carry
+    each index there (column 0 positive, row 0 negative) in digits exact in the dtype (base 2^24 in fp32, 256 in
+    bf16), zeros elsewhere; None where the probe's nonzeros are not one each."""
     rows, columns = shape
     base = 256 if dtype == torch.bfloat16 else 2 ** 24
     index, scale = torch.zeros(rows + columns - 1, dtype=torch.long), 1
@@ -174,6 +172,28 @@ def _row_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tenso
     offsets[index[~in_column]] = places[~in_column]
     offsets[0] = starts[0]
     return starts - starts[0], offsets
+
+
+@functools.cache
+def _row_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Element (r, c) of a packed weight of `shape` at `starts[r] + offsets[c]` of its memory, or None where
+    the probes find no such layout. A blocked layout splits so (each dimension's block indices add their own
+    strides), and repeats every block of rows: probing the first `PROBE_ROWS` rows gives the rest, so the
+    probes stay small (a full-size probe of Gemma's head would take 1.3 GB). Found once a process per shape;
+    `pack_linears` checks it on rows of the real weight, the last ones included."""
+    rows, columns = shape
+    probed = _probed_layout((min(rows, PROBE_ROWS), columns), dtype)
+    if probed is None or rows <= PROBE_ROWS:
+        return probed
+    starts, offsets = probed
+    steps = starts.diff()
+    jumps = (steps != steps[0]).nonzero()
+    period = int(jumps[0, 0]) + 1 if len(jumps) else 1  # rows in a block: where the first jump is
+    shifted = starts[period:] - starts[:-period]
+    if 2 * period > len(starts) or not bool((shifted == starts[period]).all()):  # not one block repeated
+        return None
+    every = torch.arange(rows)
+    return every // period * starts[period] + starts[every % period], offsets
 
 
 @dataclass(eq=False)

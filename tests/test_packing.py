@@ -82,7 +82,7 @@ class IndexingEmbedding(torch.nn.Embedding):  # reads its weight without F.embed
         return self.weight[ids]
 
 
-@pytest.mark.parametrize("shape", [(1000, 32), (1001, 40), (49152, 72)])
+@pytest.mark.parametrize("shape", [(1000, 32), (1001, 40), (49152, 72), (20001, 40)])  # probed whole; repeated
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_row_of_a_packed_weight_is_found_where_the_layout_says(shape, dtype):
     weight = torch.randn(shape).to(dtype)
