@@ -112,7 +112,8 @@ def fits(target: PreTrainedModel) -> bool:
     # the LM head runs as a module: its hooks see every forward
     if "forward" in vars(target) or not _hooked_only_by(target, output_capturing.__name__, verification.__name__):
         return False
-    # the embedding, like the LM head, runs as a module (packing.py may have it read rows from the packed head)
+    # the embedding is called as a module, as transformers calls it, so a forward of its own runs the same way in
+    # both (packing.py's row lookup from a packed tied head); hooks are refused on it as on the modules stepped over
     return _no_hooks(model.embed_tokens) and all(map(_quiet, (model, model.rotary_emb, model.norm))) and \
         all(_fits_layer(layer, family) for layer in model.layers)
 
