@@ -30,7 +30,7 @@ import ctypes
 import functools
 import threading
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -202,9 +202,13 @@ class PackedRows:
     """An embedding's rows read from the packed weight of the LM head tied to it (`_row_layout`)."""
 
     packed: torch.Tensor  # the head's packed weight, kept alive here: `memory` is a view of it
-    memory: torch.Tensor
-    starts: torch.Tensor
-    offsets: torch.Tensor
+    memory: torch.Tensor = field(init=False)
+    starts: torch.Tensor = field(init=False)
+    offsets: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.memory = _memory_of(self.packed)
+        self.starts, self.offsets = _row_layout(tuple(self.packed.shape), self.packed.dtype)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         places = self.starts.index_select(0, ids.reshape(-1)).unsqueeze(-1) + self.offsets  # index_select: 10x
@@ -287,8 +291,7 @@ def _groups(model: nn.Module, shared: set[int], heads: set[int]) -> list[list[nn
 def _serve_rows(embedding: nn.Embedding, head: nn.Linear, expected: torch.Tensor, probe: torch.Tensor) -> bool:
     """Let the embedding look its rows up in the packed head; whether it then returns what it did before packing
     (an embedding that reads its weight other than through `F.embedding` would read the NaN stand-in)."""
-    embedding.packed_rows = PackedRows(head.packed.weight, _memory_of(head.packed.weight),
-                                       *_row_layout(tuple(head.weight.shape), head.weight.dtype))
+    embedding.packed_rows = PackedRows(head.packed.weight)
     embedding.forward = types.MethodType(_rows_forward, embedding)
     return torch.equal(embedding.forward(probe), expected)
 
