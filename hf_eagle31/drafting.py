@@ -141,6 +141,17 @@ class DraftTree:
         return cls(root_token.reshape(1), zero - 1, zero, zero - 1)
 
 
+def drafting_width(top_k: int, total_tokens: int) -> int:
+    """How many nodes a tree level expands, and how many children each gets: at most the tree's size.
+
+    A node among the `total_tokens` best of the pool is among the `total_tokens` best of its level and
+    of its siblings, and so are its ancestors (a child never scores above its parent), so a wider level
+    only drafts nodes that no kept tree holds: the kept tree is the same, up to exact score ties, and
+    each level's forward is narrower (top-k 10 of 5 tokens drafted 10 wide before).
+    """
+    return min(top_k, total_tokens)
+
+
 def _children(log_probs: torch.Tensor, top_k: int, temperature: float | None):
     """Each node's `top_k` best children `(log-probs, ids, None)`; with a temperature (a sampled chain) one child
     drawn from the drafter's distribution at that temperature, and that distribution."""
@@ -157,7 +168,8 @@ def draft_tree(
     temperature: float | None = None,
 ) -> list[DraftTree]:
     """EAGLE-2 dynamic trees, one per row: grow the `top_k` best frontier nodes for `depth` levels, keep the best
-    `total_tokens`. `roots` `[B]` are the rows' last accepted tokens.
+    `total_tokens` (`top_k` capped at `total_tokens`: `drafting_width`). `roots` `[B]` are the rows' last
+    accepted tokens.
 
     A node's score is the log of the product of draft probabilities along its path. Each level is one
     drafter forward over every row's frontier, with a tail mask letting each frontier node see the
@@ -169,6 +181,7 @@ def draft_tree(
     accepts against (min(1, p/q) accepts more than following the argmax draft with probability p).
     """
     drafter = state.drafter
+    top_k = drafting_width(top_k, total_tokens)
     hidden, logits = state.catch_up()
     batch, device = hidden.shape[0], hidden.device
     temperature = temperature if top_k == 1 else None
@@ -177,6 +190,7 @@ def draft_tree(
     pool_scores, pool_ids, pool_q = [scores], [draft_ids], [None if q is None else q[:, None]]
     pool_parents = [torch.full_like(draft_ids, -1)]
     frontier = torch.arange(scores.shape[1], device=device).expand(batch, -1)  # pool indices of the frontier
+    frontier_scores, frontier_ids = scores, draft_ids
     frontier_hidden = hidden.expand(batch, frontier.shape[1], -1)
     frontier_ancestry = torch.zeros(batch, frontier.shape[1], 0, dtype=torch.bool, device=device)
     pool_size = scores.shape[1]
@@ -184,18 +198,19 @@ def draft_tree(
         width = frontier.shape[1]
         itself = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)
         tail_mask = torch.cat([frontier_ancestry, itself], dim=2)
-        frontier_tokens = drafter.draft_to_target(torch.cat(pool_ids, dim=1).gather(1, frontier))
+        frontier_tokens = drafter.draft_to_target(frontier_ids)
         positions = (state.positions + level - 1)[:, None].expand(batch, width)
         out = drafter(frontier_tokens, frontier_hidden, positions, state.cache,
                       state.visible(tail_mask[0] if batch == 1 else tail_mask))
         child_log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # [B, width, V_d]
         top_log_probs, child_ids, q = _children(child_log_probs, top_k, temperature)
         pool_q.append(q)
-        child_scores = (torch.cat(pool_scores, dim=1).gather(1, frontier)[:, :, None] + top_log_probs).flatten(1)
+        child_scores = (frontier_scores[:, :, None] + top_log_probs).flatten(1)
         pool_scores.append(child_scores)
         pool_ids.append(child_ids.flatten(1))
         pool_parents.append(frontier.repeat_interleave(child_ids.shape[2], dim=1))
-        best = child_scores.topk(min(top_k, child_scores.shape[1]), dim=-1).indices
+        frontier_scores, best = child_scores.topk(min(top_k, child_scores.shape[1]), dim=-1)
+        frontier_ids = pool_ids[-1].gather(1, best)
         parent_rows = best // child_ids.shape[2]
         frontier = pool_size + best
         pool_size += child_scores.shape[1]

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hf_eagle31 import llama_verify
-from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
+from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
 from hf_eagle31.generation import eagle_verification, packs_weights, verify_mode
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packing import packed_weights
@@ -217,7 +217,7 @@ def calibrate(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[
 @dataclass
 class TuningReport:
     verify_curve: dict[int, float]  # n -> seconds
-    draft_seconds: dict[int, dict[int, float]]  # top_k -> depth -> seconds per tree
+    draft_seconds: dict[int, dict[int, float]]  # drafting width -> depth -> seconds per tree
     plain_seconds: float  # one plain decoding step: the unit of every predicted speedup
     candidates: list[dict] = field(default_factory=list)  # shape, tau, predicted speedup
     calibration_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # top_k -> ranks
@@ -273,9 +273,9 @@ def choose_tree_shape(
     for _ in range(TUNING_ROUNDS):
         curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack)
         plain = verify_cost_curve(target, [1], layer_ids, context=context)[1] if pack else curve[1]
-        with packed_weights(drafter, pack):
-            drafts = {k: {d: draft_cost(drafter, d, k, context=context) for d in range(1, max_depth + 1)}
-                      for k in ranks_by_top_k}
+        with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
+            drafts = {w: {d: draft_cost(drafter, d, w, context=context) for d in range(1, max_depth + 1)}
+                      for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curve, plain, drafts))
     curve = {n: min(p[0][n] for p in passes) for n in sizes}
     plain = min(p[1] for p in passes)
@@ -285,19 +285,32 @@ def choose_tree_shape(
 
 def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, dict[int, float]],
                     ranks_by_top_k: dict[int, list[list[int]]], plain_seconds: float) -> list[dict]:
-    """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per tree,
-    against `plain_seconds` per plain decoding step."""
+    """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per tree
+    (`tree_draft_seconds`), against `plain_seconds` per plain decoding step."""
     candidates = []
+    depths = sorted({depth for per_depth in draft_seconds.values() for depth in per_depth})
     for top_k, ranks in ranks_by_top_k.items():
-        for depth, draft in draft_seconds[top_k].items():
+        for depth in depths:
             for total, verify in verify_seconds.items():
                 nodes = total - 1
                 if nodes < depth or (top_k == 1 and nodes != depth):
+                    continue
+                draft = tree_draft_seconds(draft_seconds, top_k, nodes, depth)
+                if draft is None:
                     continue
                 tau = projected_tau(ranks, nodes, depth)
                 candidates.append({"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": nodes, "tau": tau,
                                    "speedup": tau * plain_seconds / (verify + draft)})
     return candidates
+
+
+def tree_draft_seconds(draft_seconds: dict[int, dict[int, float]], top_k: int, nodes: int, depth: int) -> float | None:
+    """Seconds to draft a tree of `nodes` at `top_k`, from `draft_seconds[width][depth]`: timed at the width it
+    drafts (`drafting_width`), or where that width was not timed (batched costs, older reports) at the nearest
+    wider one, an upper bound. None if no width as wide was timed at this depth."""
+    width = drafting_width(top_k, nodes)
+    timed = [w for w, per_depth in draft_seconds.items() if w >= width and depth in per_depth]
+    return draft_seconds[min(timed)][depth] if timed else None
 
 
 def calibrate_families(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],
@@ -337,15 +350,16 @@ def batch_shapes(report: dict) -> dict[str, dict]:
     for batch, verify in costs["verify_seconds"].items():  # keys are strings once a report went through JSON
         verify = {int(n): t for n, t in verify.items()}
         plain = costs.get("plain_seconds", {}).get(batch, verify[1])  # reports before plain steps were timed
-        drafts = {(int(k), int(d)): t for k, depths in costs["draft_seconds"][batch].items() for d, t in depths.items()}
+        drafts = {int(w): {int(d): t for d, t in depths.items()} for w, depths in costs["draft_seconds"][batch].items()}
         best = None
         for c in report["candidates"]:
-            width, depth, n = c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"] + 1
-            if n not in verify or (width, depth) not in drafts:
+            top_k, depth, n = c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"] + 1
+            draft = tree_draft_seconds(drafts, top_k, n - 1, depth)
+            if n not in verify or draft is None:
                 continue
-            speedup = c["tau"] * plain / (verify[n] + drafts[width, depth])
+            speedup = c["tau"] * plain / (verify[n] + draft)
             if best is None or speedup > best["speedup"]:
-                best = {"tree_top_k": width, "tree_depth": depth, "tree_total_tokens": n - 1, "speedup": speedup}
+                best = {"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": n - 1, "speedup": speedup}
         shapes[str(batch)] = best
     return shapes
 
@@ -397,11 +411,15 @@ def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: li
     return report
 
 
+def _families(report: dict) -> list[int]:
+    """The top_k values a saved report calibrated."""
+    return sorted({c["tree_top_k"] for c in report["candidates"]})
+
+
 def tune_batch_sizes(target: PreTrainedModel, drafter: Eagle3DraftModel, report: dict,
                      batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict:
     """Add batched costs to a saved tuning report (its calibrated acceptance kept) and store `batch_shapes`."""
-    top_ks = sorted({c["tree_top_k"] for c in report["candidates"]})
-    report = {**report, "batch_costs": batch_costs(target, drafter, top_ks, BATCH_MAX_DEPTH, batch_sizes)}
+    report = {**report, "batch_costs": batch_costs(target, drafter, _families(report), BATCH_MAX_DEPTH, batch_sizes)}
     drafter.generation_config.batch_shapes = batch_shapes(report)
     return report
 
@@ -411,7 +429,7 @@ def tune_sampling(target: PreTrainedModel, drafter: Eagle3DraftModel, report: di
     """Add the acceptance of sampling at `temperature` to a saved tuning report (its costs kept: nothing is timed,
     so it may run on a busy machine) and store `sampling_shape`."""
     depths = report["draft_seconds"]
-    top_ks = sorted(int(k) for k in depths)
+    top_ks = _families(report)
     max_depth = max(int(d) for d in depths[next(iter(depths))])
     max_tokens = max(int(n) for n in report["verify_seconds"]) - 1
     sampled = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens, temperature)

@@ -63,17 +63,22 @@ def tree_paths(tree: DraftTree, drafter) -> set[tuple[int, ...]]:
     return paths
 
 
-@pytest.mark.parametrize("eagle31", [False, True])
-def test_batched_tree_drafting_matches_the_one_node_at_a_time_reference(eagle31):
+@pytest.mark.parametrize("eagle31, top_k, total", [(False, 3, 12), (True, 3, 12), (True, 6, 4)])
+def test_batched_tree_drafting_matches_the_one_node_at_a_time_reference(eagle31, top_k, total):
+    """A top_k above the tree's size keeps the reference's tree while drafting only `total` wide."""
     target = make_target("llama")
     drafter = make_drafter(target, eagle31=eagle31, draft_vocab_size=200)
     drafter.d2t[:] = 56  # draft id i is target id i + 56: exercises the vocabulary map
     features, tokens, root = context(target, drafter, PROMPTS[0:1])
     state = DrafterState(drafter)
     state.push(features, tokens)
-    (tree,) = draft_tree(state, root[0], depth=4, top_k=3, total_tokens=12)
-    assert len(tree) == 13 and tree.depth <= 4
-    reference = reference_tree(drafter, features, tokens, depth=4, top_k=3, total=12)
+    widths = []
+    hook = drafter.register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
+    (tree,) = draft_tree(state, root[0], depth=4, top_k=top_k, total_tokens=total)
+    hook.remove()
+    assert len(tree) == total + 1 and tree.depth <= 4
+    assert max(widths[1:]) == min(top_k, total)  # after the catch-up forward, one forward per level
+    reference = reference_tree(drafter, features, tokens, depth=4, top_k=top_k, total=total)
     expected = {tuple(t + 56 for t in path) for path in reference}
     assert tree_paths(tree, drafter) == expected
     assert all(p < n for n, p in enumerate(tree.parents.tolist()) if n > 0)  # parents precede children

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hf_eagle31.drafting import drafting_width
 from hf_eagle31.packing import can_pack, packed_weights
 from hf_eagle31.tuning import draft_cost, verify_cost_curve
 
@@ -94,7 +95,8 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
     layer_ids = drafter.config.target_layer_ids
     seconds = measure(target, layer_ids)
     config = drafter.generation_config  # the tree decoding drafts (its tuned shape), and a deep one
-    trees = dict.fromkeys([(config.tree_top_k or 10, config.tree_depth or 6), (10, 6)])
+    shipped = drafting_width(config.tree_top_k or 10, config.tree_total_tokens or 10)
+    trees = dict.fromkeys([(shipped, config.tree_depth or 6), (10, 6)])  # (drafting width, depth)
     drafting = {}
     for dtype in dict.fromkeys([target.dtype, torch.bfloat16]):  # a bf16 drafter beside an fp32 target too
         drafter.to(dtype)
@@ -102,9 +104,9 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
             if pack and not can_pack(drafter):
                 continue
             with packed_weights(drafter, pack):
-                for top_k, depth in trees:
-                    label = f"{name}, {str(dtype).removeprefix('torch.')} drafter, top-k {top_k} tree of {depth} levels"
-                    drafting[label] = draft_split(drafter, depth, top_k)
+                for width, depth in trees:
+                    label = f"{name}, {str(dtype).removeprefix('torch.')} drafter, tree {width} wide, {depth} levels"
+                    drafting[label] = draft_split(drafter, depth, width)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds, "draft_level_seconds": drafting},
