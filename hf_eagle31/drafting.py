@@ -181,10 +181,10 @@ def draft_tree(
     accepts against (min(1, p/q) accepts more than following the argmax draft with probability p).
     """
     drafter = state.drafter
+    temperature = temperature if top_k == 1 else None  # the shape asked for, before its width is capped
     top_k = drafting_width(top_k, total_tokens)
     hidden, logits = state.catch_up()
     batch, device = hidden.shape[0], hidden.device
-    temperature = temperature if top_k == 1 else None
     log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)
     scores, draft_ids, q = _children(log_probs, top_k, temperature)  # [B, k]
     pool_scores, pool_ids, pool_q = [scores], [draft_ids], [None if q is None else q[:, None]]

@@ -52,14 +52,9 @@ def tree_attention_reference(
     mask = torch.cat([tail_mask.new_ones(*tail_mask.shape[:-1], prefix), tail_mask], dim=-1)
     if mask.dim() == 3:
         mask = mask[:, None]
-    dtype = query.dtype
-    if n == 1 and dtype == torch.bfloat16 and query.device.type == "cpu":
-        # torch's CPU kernel takes 3-5x longer on one bf16 query than on one fp32 query, its upcast included
-        # (260 cached keys: 280 vs 68 us; 2,000: 1.1 vs 0.47 ms): a chain's draft levels are single queries.
-        query, key, value = query.float(), key.float(), value.float()
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-    ).to(dtype)
+    )
 
 
 def tree_attention(
@@ -70,7 +65,7 @@ def tree_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA for the head dims and dtypes it covers (one mask for every row),
-    else the torch reference.
+    else the torch reference (in fp32 for one bf16 query on a CPU).
 
     Same contract as the reference.
     """
@@ -80,4 +75,8 @@ def tree_attention(
 
         if query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in SUPPORTED_DTYPES:
             return tree_attention_triton(query, key, value, tail_mask, scale)
+    if query.shape[-2] == 1 and query.dtype == torch.bfloat16 and query.device.type == "cpu":
+        # torch's CPU kernel takes 3-5x longer on one bf16 query than on one fp32 query, its upcast included
+        # (260 cached keys: 280 vs 68 us; 2,000: 1.1 vs 0.47 ms): a chain's draft levels are single queries.
+        return tree_attention_reference(query.float(), key.float(), value.float(), tail_mask, scale).bfloat16()
     return tree_attention_reference(query, key, value, tail_mask, scale)

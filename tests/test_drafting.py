@@ -120,6 +120,20 @@ def test_a_sampled_chain_keeps_the_distribution_each_draft_was_drawn_from():
         path.append(token)
 
 
+def test_a_tree_capped_to_one_token_is_still_drafted_greedily_when_sampling():
+    """Capping a tree's width at its size (one token near max_length) keeps it a top-k tree: only a shape of
+    top_k 1 is drawn from the drafter."""
+    target = make_target("qwen2")
+    drafter = make_drafter(target, eagle31=True)
+    features, tokens, root = context(target, drafter, PROMPTS[1:2])
+    state = DrafterState(drafter)
+    state.push(features, tokens)
+    (tree,) = draft_tree(state, root[0], depth=2, top_k=3, total_tokens=1, temperature=0.7)
+    assert tree.proposals is None
+    expected = drafter.draft_to_target(path_log_probs(drafter, features, tokens, []).argmax())
+    assert tree.tokens.tolist()[1:] == [int(expected)]
+
+
 def test_drafter_state_drops_draft_entries_and_keeps_real_ones():
     target = make_target("llama")
     drafter = make_drafter(target)
