@@ -404,6 +404,10 @@ def unrepresentable(config: Eagle3Config, layout: str) -> list[str]:
     embedding only when `target_hidden_size` is absent.
     """
     problems = []
+    if config.num_hidden_layers > 1:
+        problems.append(f"num_hidden_layers {config.num_hidden_layers}: the {layout} layout's readers build the one-layer "
+                        "EAGLE-3 head (this project reads its own multi-layer heads only); save with "
+                        "layout='hf_eagle31'")
     if layout in ("eagle", "specforge") and config.norm_before_residual:
         problems.append("norm_before_residual: SGLang and SpecForge always add the un-normed feature to the residual "
                         "(only vLLM and speculators honour the flag); export with layout='speculators'")

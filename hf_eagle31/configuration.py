@@ -59,7 +59,8 @@ class Eagle3Config(PreTrainedConfig):
     Configuration of an EAGLE-3 or EAGLE 3.1 drafter.
 
     `vocab_size` and `target_hidden_size` describe the *target* model the drafter serves;
-    `hidden_size` and the attention/MLP sizes describe the drafter's single decoder layer.
+    `hidden_size` and the attention/MLP sizes describe the drafter's decoder layer: EAGLE-3's single one, or
+    with `num_hidden_layers` > 1 that one followed by plain pre-norm layers of the same shape.
     `target_layer_ids` index the target's `hidden_states` (0 is the embedding output), so
     `[2, L//2, L-3]` are the inputs of those decoder layers.
 
@@ -84,6 +85,7 @@ class Eagle3Config(PreTrainedConfig):
     hidden_size: int = 4096
     target_hidden_size: int | None = None
     intermediate_size: int = 14336
+    num_hidden_layers: int = 1
     num_attention_heads: int = 32
     num_key_value_heads: int | None = None
     head_dim: int | None = None
@@ -131,6 +133,9 @@ class Eagle3Config(PreTrainedConfig):
                 f"draft_vocab_size ({self.draft_vocab_size}) cannot exceed the target vocabulary "
                 f"vocab_size ({self.vocab_size})."
             )
+        if isinstance(self.num_hidden_layers, bool) or not isinstance(self.num_hidden_layers, int) or \
+                self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be a whole number >= 1, got {self.num_hidden_layers!r}.")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -6,6 +6,7 @@ token t+1), one forward of the drafter predicts the token after each position:
     g = fc(concat(norm_a(g_low), norm_b(g_mid), norm_c(g_high)))   # width 3*H_t -> H; norms only in 3.1
     h = g + attention(concat(input_layernorm(embed(x)), hidden_norm(g)))
     h = h + mlp(post_attention_layernorm(h))
+    h = plain pre-norm decoder layers(h)                            # only with num_hidden_layers > 1
     logits = lm_head(norm(h))                                       # over the draft vocabulary
     feedback = norm(h) if norm_output else h                        # 3.1 feeds back the post-norm state
 
@@ -48,18 +49,21 @@ class Eagle3DraftOutput(ModelOutput):
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v projections read the concatenated `[embedding, feature]` (width 2H)."""
+    """Llama attention; in the first layer the q/k/v projections read the concatenated `[embedding, feature]`
+    (width 2H), in the layers stacked after it the hidden state (width H)."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
+        width = (2 if layer_idx == 0 else 1) * config.hidden_size
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
         q_width = config.num_attention_heads * self.head_dim
         kv_width = config.num_key_value_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(2 * config.hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(2 * config.hidden_size, kv_width, bias=bias)
-        self.v_proj = nn.Linear(2 * config.hidden_size, kv_width, bias=bias)
+        self.q_proj = nn.Linear(width, q_width, bias=bias)
+        self.k_proj = nn.Linear(width, kv_width, bias=bias)
+        self.v_proj = nn.Linear(width, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
 
     def forward(
@@ -76,13 +80,14 @@ class Eagle3Attention(nn.Module):
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
         if past_key_values is not None:
-            key, value = past_key_values.update(key, value, 0)
+            key, value = past_key_values.update(key, value, self.layer_idx)
         out = tree_attention(query, key, value, tail_mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The single decoder layer; the residual stream is the projected target feature, not the embedding."""
+    """The first (usually the only) decoder layer; the residual stream is the projected target feature, not the
+    embedding."""
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -108,13 +113,36 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class StackedDecoderLayer(nn.Module):
+    """A plain pre-norm Llama layer stacked after the first (`num_hidden_layers` > 1): more capacity on the same
+    features, for one more layer's work at each draft level. Its keys are `layers.{i}.*` (i >= 1); the engines' EAGLE-3
+    layouts carry one layer, so a head with more saves in this project's layout only (`unrepresentable`)."""
+
+    def __init__(self, config: Eagle3Config, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config, layer_idx)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None,
+        tail_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_embeddings, past_key_values, tail_mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class Eagle3DraftModel(PreTrainedModel):
     """An EAGLE-3 drafter (both 3.1 switches off) or an EAGLE 3.1 drafter (`fc_norm`, `norm_output`)."""
 
     config_class = Eagle3Config
     base_model_prefix = "eagle3"
     main_input_name = "input_ids"
-    _no_split_modules = ["Eagle3DecoderLayer"]
+    _no_split_modules = ["Eagle3DecoderLayer", "StackedDecoderLayer"]
     _supports_sdpa = True
 
     def __init__(self, config: Eagle3Config):
@@ -133,6 +161,7 @@ class Eagle3DraftModel(PreTrainedModel):
         self.input_norm = LlamaRMSNorm(layers * target_width, eps=config.rms_norm_eps) if config.norm_before_fc else None
         self.fc = nn.Linear(layers * target_width, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
+        self.layers = nn.ModuleDict({str(i): StackedDecoderLayer(config, i) for i in range(1, config.num_hidden_layers)})
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -289,6 +318,8 @@ class Eagle3DraftModel(PreTrainedModel):
         embeds = embedding(input_ids).to(hidden_states.dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         hidden = self.midlayer(embeds, hidden_states, position_embeddings, past_key_values, tail_mask)
+        for layer in self.layers.values():
+            hidden = layer(hidden, position_embeddings, past_key_values, tail_mask)
         normed = self.norm(hidden)
         return Eagle3DraftOutput(
             logits=self.lm_head(normed[logits_at] if logits_at is not None else normed[:, -logits_to_keep:]),

@@ -325,7 +325,7 @@ class Planner:
             f"drafter weights ({self.dtype_name})": self.drafter_bytes,
             self.target_kv_label(context): self.target_kv_cache(context),
             f"drafter KV cache ({context + tree_tokens} tokens)": self.kv_cache(
-                1, d.num_key_value_heads, d.head_dim, context + tree_tokens),
+                d.num_hidden_layers, d.num_key_value_heads, d.head_dim, context + tree_tokens),
             f"tree buffers ({tree_tokens} tokens)": self.tree_buffers(context, tree_tokens),
             "workspace (estimate)": CUDA_CONTEXT + self.activation_peak(quant, context, tree_tokens),
         }

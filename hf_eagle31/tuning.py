@@ -20,15 +20,17 @@ smaller shape of the family.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hf_eagle31 import llama_verify
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
-from hf_eagle31.generation import eagle_verification, packs_weights, verify_mode
+from hf_eagle31.generation import drafting_dtype, eagle_verification, packs_weights, prepare_drafter, verify_mode
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packing import packed_weights
 from hf_eagle31.verification import VerifyPlan, verify_forward
@@ -435,4 +437,19 @@ def tune_sampling(target: PreTrainedModel, drafter: Eagle3DraftModel, report: di
     sampled = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens, temperature)
     report = {**report, "sampling": sampling_tuning(report, sampled, temperature)}
     drafter.generation_config.sampling_shape = report["sampling"]["shape"]
+    return report
+
+
+def retune_folder(target: PreTrainedModel, folder: Path, prompts: list[torch.Tensor], sampling_only: bool = False) -> dict:
+    """Re-tune a saved drafter's shapes on this machine, in place (`generation_config.json`, `tuning.json`), as
+    decoding runs it (drafting dtype, the target's embedding). The costs are timings: a quiet machine's job, unless
+    `sampling_only`, which keeps the saved costs and greedy shapes and calibrates the shape for sampling alone."""
+    drafter = Eagle3DraftModel.from_pretrained(folder, dtype=drafting_dtype(target)).eval()
+    prepare_drafter(target, drafter)
+    if sampling_only:
+        report = tune_sampling(target, drafter, json.loads((folder / "tuning.json").read_text()), prompts)
+    else:
+        report = tune_drafter(target, drafter, prompts).as_dict()
+    drafter.generation_config.save_pretrained(folder)
+    (folder / "tuning.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     return report

@@ -105,7 +105,8 @@ class VerifyPlan:
     padded: bool = False
     batch_size: int = 1
     cached: int | None = None  # tokens cached before the block (None: all the keys before it)
-    _layer_masks: dict = field(default_factory=dict, init=False, repr=False)
+    _layer_masks: dict = field(default_factory=dict, init=False, repr=False)  # (keys, window) -> bool mask
+    _additive_masks: dict = field(default_factory=dict, init=False, repr=False)  # (keys, window, dtype) -> additive
 
     def __post_init__(self) -> None:
         if self.mode not in VERIFY_MODES:
@@ -166,10 +167,10 @@ class VerifyPlan:
 
         Why: SDPA converts a boolean mask at every call, two ops per layer (~1 ms of a 50 ms verify forward of
         SmolLM2 on the 2-core CPU); the layers that share a key length and window share one conversion."""
-        if (key_length, window, dtype) not in self._layer_masks:
-            self._layer_masks[key_length, window, dtype] = additive_mask(self.layer_mask(key_length, window)[:, None],
-                                                                         dtype)
-        return self._layer_masks[key_length, window, dtype]
+        if (key_length, window, dtype) not in self._additive_masks:
+            self._additive_masks[key_length, window, dtype] = additive_mask(
+                self.layer_mask(key_length, window)[:, None], dtype)
+        return self._additive_masks[key_length, window, dtype]
 
     def held_keys(self, row: int, node: int, past: int, layer: int | None) -> torch.Tensor:
         """The keys (indices into the layer's `past + n`) a one-token decode step at `node` of `row` attends over.

@@ -13,6 +13,7 @@ from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
+from hf_eagle31.training.capacity import add_decoder_layers
 
 MODES = ["chain", "tree"]
 
@@ -39,6 +40,24 @@ def test_greedy_equals_plain_generate(arch, eagle31, mode):
             out = target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter)
             assert torch.equal(out, expected), (prompt.tolist(), max_new_tokens)
             deepest = max(deepest, sum(a > 0 for a in drafter.speculation_stats.accepted))
+    assert deepest >= 2, "the sweep never accepted a multi-token path: it tested nothing"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_drafter_with_stacked_decoder_layers_is_lossless(mode):
+    """A second decoder layer keeps a second drafter cache layer, trimmed like the first after each step."""
+    target, fitted = trained_pair("llama", True, speculation_mode=mode, collapse_fallback=False)
+    drafter = copy.deepcopy(fitted)
+    add_decoder_layers(drafter, 2)
+    with torch.no_grad():  # away from the identity, not so far that nothing is accepted
+        drafter.layers["1"].self_attn.o_proj.weight.normal_(std=0.02)
+        drafter.layers["1"].mlp.down_proj.weight.normal_(std=0.02)
+    deepest = 0
+    for prompt in prompt_variants():
+        expected = plain(target, prompt, max_new_tokens=32)
+        out = target.generate(prompt, do_sample=False, max_new_tokens=32, assistant_model=drafter)
+        assert torch.equal(out, expected), prompt.tolist()
+        deepest = max(deepest, sum(a > 0 for a in drafter.speculation_stats.accepted))
     assert deepest >= 2, "the sweep never accepted a multi-token path: it tested nothing"
 
 

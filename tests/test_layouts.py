@@ -489,11 +489,12 @@ EXPORTED = {  # the heads the exports are checked with: every variant an engine 
     "eagle3.1-four-layers": {"fc_norm": True, "norm_output": True, "target_layer_ids": [1, 2, 3, 5]},
     "norm-before-fc": {"norm_before_fc": True},
     "norm-before-residual": {"norm_before_residual": True},
+    "two-decoder-layers": {"fc_norm": True, "norm_output": True, "num_hidden_layers": 2},
 }
 REFUSED = {  # layout -> variants its readers would run differently (conversion.layouts.unrepresentable)
-    "eagle": {"eagle3.1", "eagle3.1-four-layers", "norm-before-fc", "norm-before-residual"},
-    "specforge": {"norm-before-residual"},
-    "speculators": set(),
+    "eagle": {"eagle3.1", "eagle3.1-four-layers", "norm-before-fc", "norm-before-residual", "two-decoder-layers"},
+    "specforge": {"norm-before-residual", "two-decoder-layers"},
+    "speculators": {"two-decoder-layers"},
 }
 
 

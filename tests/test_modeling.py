@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_eagle31
 from hf_eagle31 import Eagle3Config, Eagle3DraftModel
+from hf_eagle31.training.capacity import add_decoder_layers
 
 
 def rms(x, weight, eps):
@@ -24,31 +25,37 @@ def reference_draft_step(d: Eagle3DraftModel, input_ids, features):
             g = torch.cat([rms(p, n.weight, eps) for p, n in zip(g.chunk(3, -1), d.fc_norm)], -1)
         g = g @ d.fc.weight.T
     e = d.get_input_embeddings().weight[input_ids]
-    h = torch.cat([rms(e, layer.input_layernorm.weight, eps), rms(g, layer.hidden_norm.weight, eps)], -1)
-    a = layer.self_attn
     batch, length = input_ids.shape
-    split = lambda x: x.view(batch, length, -1, c.head_dim).transpose(1, 2)  # noqa: E731
-    q, k, v = split(h @ a.q_proj.weight.T), split(h @ a.k_proj.weight.T), split(h @ a.v_proj.weight.T)
-    cos, sin = d.rotary_emb(h, torch.arange(length)[None])
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    groups = c.num_attention_heads // c.num_key_value_heads
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = (q @ k.transpose(-1, -2)) * c.head_dim**-0.5
-    scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
-    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1) @ a.o_proj.weight.T
-    x = g + attn
-    m = layer.mlp
-    y = rms(x, layer.post_attention_layernorm.weight, eps)
-    x = x + (F.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    cos, sin = d.rotary_emb(g, torch.arange(length)[None])
+
+    def attention(a, h):
+        split = lambda x: x.view(batch, length, -1, c.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(h @ a.q_proj.weight.T), split(h @ a.k_proj.weight.T), split(h @ a.v_proj.weight.T)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = (q @ k.transpose(-1, -2)) * c.head_dim**-0.5
+        scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1) @ a.o_proj.weight.T
+
+    def mlp(m, y):
+        return (F.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+
+    h = torch.cat([rms(e, layer.input_layernorm.weight, eps), rms(g, layer.hidden_norm.weight, eps)], -1)
+    x = g + attention(layer.self_attn, h)
+    x = x + mlp(layer.mlp, rms(x, layer.post_attention_layernorm.weight, eps))
+    for stacked in d.layers.values():  # num_hidden_layers > 1: plain pre-norm layers
+        x = x + attention(stacked.self_attn, rms(x, stacked.input_layernorm.weight, eps))
+        x = x + mlp(stacked.mlp, rms(x, stacked.post_attention_layernorm.weight, eps))
     normed = rms(x, d.norm.weight, eps)
     return normed @ d.lm_head.weight.T, (normed if c.norm_output else x)
 
 
-@pytest.mark.parametrize("fc_norm", [False, True])
-@pytest.mark.parametrize("norm_output", [False, True])
-def test_draft_step_matches_the_spec(fc_norm, norm_output):
+@pytest.mark.parametrize("fc_norm, norm_output, layers", [(False, False, 1), (False, True, 1), (True, False, 1),
+                                                           (True, True, 1), (True, True, 3)])
+def test_draft_step_matches_the_spec(fc_norm, norm_output, layers):
     target = make_target("llama")
-    drafter = make_drafter(target, eagle31=False, fc_norm=fc_norm, norm_output=norm_output)
+    drafter = make_drafter(target, eagle31=False, fc_norm=fc_norm, norm_output=norm_output, num_hidden_layers=layers)
     with torch.no_grad():
         for norm in drafter.fc_norm or []:
             norm.weight.uniform_(0.5, 2.0)  # make the three norms differ, as trained ones do
@@ -116,6 +123,7 @@ def test_default_layer_ids_are_low_mid_high():
         (dict(num_target_layers=6, target_layer_ids=[2, 3, 9]), "out of range"),
         (dict(target_layer_ids=[2, 3]), "3 target layers"),
         (dict(num_attention_heads=4, num_key_value_heads=3, hidden_size=64), "multiple"),
+        (dict(num_hidden_layers=0), "num_hidden_layers"),
     ],
 )
 def test_bad_configs_are_refused_with_a_clear_error(fields, message):
@@ -133,3 +141,39 @@ def test_wrong_feature_width_and_missing_embedding_are_named():
         orphan(torch.tensor([[5]]), torch.randn(1, 1, 192))
     with pytest.raises(ValueError, match="expects a vocabulary"):
         orphan.set_target_embedding(torch.nn.Embedding(100, 64))
+
+
+def test_added_decoder_layers_start_as_the_identity_and_round_trip(tmp_path):
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=True)
+    ids, features = torch.randint(3, 256, (2, 7)), torch.randn(2, 7, 3 * 64)
+    with torch.no_grad():
+        before = drafter(ids, features)
+        add_decoder_layers(drafter, 2)
+        grown = drafter(ids, features)
+        torch.testing.assert_close(grown.logits, before.logits, atol=0, rtol=0)
+        drafter.layers["1"].mlp.down_proj.weight.normal_(std=0.1)  # trained away from the identity
+        assert not torch.allclose(drafter(ids, features).logits, before.logits, atol=1e-3)
+    drafter.save_pretrained(tmp_path)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path)
+    loaded.set_target_embedding(target.get_input_embeddings())
+    assert loaded.config.num_hidden_layers == 2 and "layers.1.self_attn.q_proj.weight" in loaded.state_dict()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, features).logits, drafter(ids, features).logits, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cannot be grown to 1"):
+        add_decoder_layers(drafter, 1)
+
+
+def test_a_cached_step_of_a_stacked_drafter_equals_the_full_forward():
+    """Each decoder layer keeps its own cache layer: a block drafted after a cached prefix sees the prefix's keys
+    of its own layer, as the uncached forward over the whole sequence does."""
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=True, num_hidden_layers=3)
+    ids, features = torch.randint(3, 256, (1, 9)), torch.randn(1, 9, 3 * 64)
+    with torch.no_grad():
+        full = drafter(ids, features).logits
+        cache = transformers.DynamicCache()
+        drafter(ids[:, :6], features[:, :6], past_key_values=cache)
+        assert len(cache.layers) == 3
+        step = drafter(ids[:, 6:], features[:, 6:], past_key_values=cache).logits
+    torch.testing.assert_close(step, full[:, 6:], atol=1e-5, rtol=1e-5)

@@ -121,22 +121,11 @@ def held_out_prompts(tokenizer, start: int, count: int) -> list[torch.Tensor]:
 def tune(prompts: int, sampling_only: bool) -> int:
     """Tune the shipped drafter's shapes here, on held-out turns `evaluate` does not use; a quiet machine's job
     unless `sampling_only` (the saved costs kept, the shape for sampling calibrated: nothing timed)."""
-    from hf_eagle31.generation import drafting_dtype, prepare_drafter
-    from hf_eagle31.modeling import Eagle3DraftModel
     from hf_eagle31.packaged import load_packaged_model
-    from hf_eagle31.tuning import tune_drafter, tune_sampling
+    from hf_eagle31.tuning import retune_folder
 
     target, tokenizer = load_packaged_model("gemma-3-270m")
-    folder = HERE / "eagle31"
-    drafter = Eagle3DraftModel.from_pretrained(folder, dtype=drafting_dtype(target)).eval()  # as decoding runs it
-    prepare_drafter(target, drafter)
-    calibration = held_out_prompts(tokenizer, prompts, prompts)
-    if sampling_only:
-        report = tune_sampling(target, drafter, json.loads((folder / "tuning.json").read_text()), calibration)
-    else:
-        report = tune_drafter(target, drafter, calibration).as_dict()
-    drafter.generation_config.save_pretrained(folder)
-    (folder / "tuning.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    report = retune_folder(target, HERE / "eagle31", held_out_prompts(tokenizer, prompts, prompts), sampling_only)
     print(f"chosen {report['choice']}, for sampling {report['sampling']['shape']}")
     return 0
 

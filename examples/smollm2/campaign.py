@@ -15,7 +15,9 @@ runs beside it on the other core: when it falls behind, the step takes ShareGPT'
 is round 2 with both draft vocabularies widened from 8,192 to 16,384 tokens (`widen_draft_vocab`: the shipped
 vocabulary covers 87-93% of the answer tokens of fresh conversations); round 4 is round 2 with training-time test
 unrolled 7 steps (EAGLE-3's) instead of 4; round 5 is round 2 with the LK-lambda loss (eta 3) instead of forward
-KL. Rounds 3-5 are levers, each measured against round 2 on the same batches.
+KL; round 7 is round 6 (round 2 again, below) with a second decoder layer stacked on each drafter, starting as
+the identity (`add_decoder_layers`), and round 8 is round 7 with that layer at a peak rate of 1e-3. Rounds 3-5, 7 and 8
+are levers, each measured against round 2 or 6 on the same batches.
 Every `--snapshot-every` steps both drafters are saved as a snapshot; `curve` evaluates the snapshots not
 yet measured, teacher-forced on the 48 held-out answers the target wrote (`train.py evaluate`'s measure:
 greedy tau of an 8-token chain) and live (greedy `generate` with a fixed chain of 8 on 8 held-out questions,
@@ -43,6 +45,7 @@ from train import calibration_prompts, chat_prompts
 from hf_eagle31 import drafting_dtype
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
+from hf_eagle31.training.capacity import add_decoder_layers
 from hf_eagle31.training.data import EpochShuffle, TrainingSequence, collate, fit_length, load_sequences, read_jsonl
 from hf_eagle31.training.distill import DistillSettings, distill_to_folder
 from hf_eagle31.training.evaluation import evaluate_acceptance
@@ -76,6 +79,8 @@ class Run:
     draft_vocab: int = 8192  # draft vocabulary: the shipped drafters' 8,192 tokens, or widened to more first
     ttt_steps: int = 4  # draft steps unrolled in training (the shipped drafters': 4; EAGLE-3's: 7)
     lk_eta: float | None = None  # the LK-lambda loss with this eta instead of forward KL (losses.py)
+    layers: int = 1  # decoder layers: the shipped drafters' one, or more stacked after it first (capacity.py)
+    stacked_lr: float | None = None  # peak learning rate of the stacked layers (None: `lr`, as every other weight)
 
     def config(self) -> TrainingConfig:
         return TrainingConfig(ttt_steps=self.ttt_steps, steps=1, loss_decay=0.8, lk_eta=self.lk_eta)  # training_step's
@@ -83,8 +88,10 @@ class Run:
 
 RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT), "round3": Run(1e-4, 0.5, SPLIT, 16384),
         "round4": Run(1e-4, 0.5, SPLIT, ttt_steps=7), "round5": Run(1e-4, 0.5, SPLIT, lk_eta=3.0),
-        "round6": Run(1e-4, 0.5, SPLIT)}  # round 2 again from the shipped drafters (its state was lost with runs/),
-# its own answers now written by the bf16 target: at equal steps it measures whether bf16-written answers teach alike
+        "round6": Run(1e-4, 0.5, SPLIT),  # round 2 again from the shipped drafters (its state was lost with runs/),
+        # its own answers now written by the bf16 target: at equal steps it measures whether they teach alike
+        "round7": Run(1e-4, 0.5, SPLIT, layers=2),  # round 6 with a second decoder layer (the capacity lever)
+        "round8": Run(1e-4, 0.5, SPLIT, layers=2, stacked_lr=1e-3)}  # round 7, the new layer learning 10x faster
 
 
 def fresh_conversations() -> list:
@@ -188,9 +195,10 @@ def train(folder: Path, run_name: str, hours: float, until_step: int | None, sna
         drafter.set_target_embedding(target.get_input_embeddings())
         if drafter in widen:  # before a saved state loads: the same vocabulary at each start
             widen_draft_vocab(drafter, target, counts, run.draft_vocab)
+        add_decoder_layers(drafter, run.layers)  # likewise the same layers (none added for one)
     models = {name: Unrolled(d).train() for name, d in drafters.items()}
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
-                  for name, m in models.items()}
+    optimizers = {name: torch.optim.AdamW(parameter_groups(drafters[name], run), lr=run.lr, betas=(0.9, 0.95),
+                                          weight_decay=0.0) for name in models}
     schedule = {name: torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, WARMUP, total))
                 for name, o in optimizers.items()}
     state_path = work / "state.pt"
@@ -237,6 +245,15 @@ def train(folder: Path, run_name: str, hours: float, until_step: int | None, sna
         if step % snapshot_every == 0:
             snapshot(work / "snapshots" / f"step_{step:06d}", drafters, counts, own.seconds_per_token())
     save(state_path, drafters, optimizers, schedule, counts)
+
+
+def parameter_groups(drafter: Eagle3DraftModel, run: Run) -> list[dict]:
+    """The stacked layers at `run.stacked_lr` when given: they start from nothing, the rest from trained weights."""
+    named = list(drafter.named_parameters())
+    if run.stacked_lr is None:
+        return [{"params": [p for _, p in named]}]
+    return [{"params": [p for n, p in named if not n.startswith("layers.")]},
+            {"params": [p for n, p in named if n.startswith("layers.")], "lr": run.stacked_lr}]
 
 
 def save(path: Path, drafters, optimizers, schedule, counts: dict) -> None:
@@ -378,7 +395,9 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
 
 def describe(run: Run) -> str:
     return (f"lr {run.lr:.0e}, {run.self_distilled:.0%} own answers, {run.draft_vocab:,} draft tokens, "
-            f"unroll {run.ttt_steps}{'' if run.lk_eta is None else f', LK loss (eta {run.lk_eta:g})'}")
+            f"unroll {run.ttt_steps}{'' if run.lk_eta is None else f', LK loss (eta {run.lk_eta:g})'}"
+            f"{'' if run.layers == 1 else f', {run.layers} decoder layers'}"
+            f"{'' if run.stacked_lr is None else f' (learning at {run.stacked_lr:.0e})'}")
 
 
 def main() -> int:

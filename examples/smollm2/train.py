@@ -41,7 +41,7 @@ from hf_eagle31.training.distill import DistillSettings, distill_conversations, 
 from hf_eagle31.training.evaluation import evaluate_acceptance
 from hf_eagle31.training.feature_cache import FeatureCache, build_feature_cache
 from hf_eagle31.training.trainer import drafter_config_for
-from hf_eagle31.tuning import tune_drafter, tune_sampling
+from hf_eagle31.tuning import retune_folder, tune_drafter
 
 HERE = Path(__file__).parent
 BENCH = HERE.parents[1] / "docs" / "bench" / "smollm2" / "results.json"  # `hf-eagle31 bench --pair smollm2`
@@ -215,19 +215,10 @@ def chat_prompts(tokenizer, questions: list[str]) -> list[torch.Tensor]:
 
 
 def tune(target, tokenizer, names: list[str], sampling_only: bool = False) -> None:
-    """Re-tune the shipped drafters' shapes on this machine, in place (generation_config.json, tuning.json):
-    the costs are timings, so run it on a quiet machine. `sampling_only` keeps the saved costs and greedy shapes
-    and calibrates the shape for sampling alone (`tune_sampling`), which times nothing."""
+    """Re-tune the shipped drafters' shapes on this machine, in place (`retune_folder`: a quiet machine's job unless
+    `sampling_only`)."""
     for name in names:
-        drafter = Eagle3DraftModel.from_pretrained(HERE / name, dtype=drafting_dtype(target))  # as decoding runs it
-        drafter.set_target_embedding(target.get_input_embeddings())
-        if sampling_only:
-            saved = json.loads((HERE / name / "tuning.json").read_text())
-            report = tune_sampling(target, drafter, saved, calibration_prompts(tokenizer))
-        else:
-            report = tune_drafter(target, drafter, calibration_prompts(tokenizer)).as_dict()
-        drafter.generation_config.save_pretrained(HERE / name)
-        (HERE / name / "tuning.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        report = retune_folder(target, HERE / name, calibration_prompts(tokenizer), sampling_only)
         print(f"{name}: chosen {report['choice']}, for sampling {report['sampling']['shape']}")
 
 
