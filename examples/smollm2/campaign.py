@@ -371,7 +371,10 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    start, styles = rows[("shipped", 0)], dict(zip(RUNS, ("-", "--", ":", "-.", (0, (1, 4)), (0, (5, 1, 1, 1)))))
+    dashes = ("-", "--", ":", "-.", (0, (1, 4)), (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (8, 2)))
+    if len(RUNS) > len(dashes):
+        raise ValueError(f"{len(RUNS)} runs and {len(dashes)} line styles: add styles to plot every run")
+    start, styles = rows[("shipped", 0)], dict(zip(RUNS, dashes))
     drafters = {"eagle3": ("EAGLE-3", "tab:blue"), "eagle31": ("EAGLE 3.1", "tab:orange")}
     plotted = [run for run in RUNS if any(key[0] == run for key in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharex=True)
