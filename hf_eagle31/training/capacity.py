@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hf_eagle31.modeling import Eagle3DraftModel, StackedDecoderLayer
 
@@ -20,12 +19,9 @@ def add_decoder_layers(drafter: Eagle3DraftModel, num_hidden_layers: int) -> Non
     have = drafter.config.num_hidden_layers
     if num_hidden_layers < have:
         raise ValueError(f"this drafter has {have} decoder layers; it cannot be grown to {num_hidden_layers}")
-    weight = drafter.fc.weight
     for index in range(have, num_hidden_layers):
-        layer = StackedDecoderLayer(drafter.config, index).to(weight.device, weight.dtype)
-        for module in layer.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=drafter.config.initializer_range)
+        layer = StackedDecoderLayer(drafter.config, index).to(drafter.device, drafter.dtype)
+        layer.apply(drafter._init_weights)  # as a drafter built with this many layers starts
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
         drafter.layers[str(index)] = layer
