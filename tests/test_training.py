@@ -8,13 +8,14 @@ import math
 
 import pytest
 import torch
-from tiny_models import make_drafter, make_target, make_tokenizer
+from tiny_models import PROMPTS, make_drafter, make_target, make_tokenizer, trained_pair
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_eagle31 import Eagle3DraftModel
 from hf_eagle31.cli import main as cli_main
 from hf_eagle31.drafting import DrafterState
 from hf_eagle31.features import capture_request, select_features
+from hf_eagle31.stats import SpeculationStats
 from hf_eagle31.training import evaluate_acceptance, train_drafter
 from hf_eagle31.training.data import TrainingSequence, fit_length, self_distill
 from hf_eagle31.training.losses import acceptance_loss, distillation_losses, step_mask
@@ -84,6 +85,36 @@ def test_unroll_equals_inference_time_chains(target, eagle31):
             seen = torch.ones(1, k + 1, dtype=torch.bool)  # as a draft level sees the levels before it
             out = drafter(torch.tensor([[token]]), hidden, state.positions[:, None] + k, state.cache, state.visible(seen))
             hidden, logits = out.hidden_states, out.logits
+
+
+@pytest.mark.parametrize("eagle31", [True, False])
+def test_generate_accepts_at_each_root_what_the_unroll_predicts(monkeypatch, eagle31):
+    """End to end, root by root: each step of greedy chain `generate` accepts as many draft tokens as the unroll of
+    its output says a chain rooted there would. The training measure is then the decoding itself, and a drafter fed
+    other features, positions or cache live than in training fails here, though its output stays the target's."""
+    target, drafter = trained_pair(eagle31=eagle31, speculation_mode="chain", num_assistant_tokens=4,
+                                   dynamic_speculation=False, collapse_fallback=False)
+    layer_ids, steps = drafter.config.target_layer_ids, []
+    record_step = SpeculationStats.record_step
+    monkeypatch.setattr(SpeculationStats, "record_step", lambda self, proposed, accepted, emitted, *rest: (
+        steps.append((proposed, accepted, emitted)), record_step(self, proposed, accepted, emitted, *rest)))
+    accepted_somewhere = False
+    for prompt in PROMPTS[:3]:
+        steps.clear()
+        out = target.generate(prompt[None], max_new_tokens=40, do_sample=False, assistant_model=drafter, pad_token_id=0)
+        with torch.no_grad():
+            states = target(out, output_hidden_states=capture_request(layer_ids)).hidden_states
+            chain = unroll(drafter, select_features(states, layer_ids), out, 4)
+        root = prompt.shape[0] - 1  # the first step drafts after the prefill's token, from the prompt's last state
+        for proposed, accepted, emitted in steps[:-1]:  # the last step may stop early (length, end of text)
+            predicted = 0
+            while predicted < proposed and int(drafter.draft_to_target(
+                    chain[predicted].logits[0, root].argmax())) == int(out[0, root + predicted + 2]):
+                predicted += 1
+            assert accepted == predicted, (root, proposed)
+            accepted_somewhere |= accepted >= 2
+            root += emitted
+    assert accepted_somewhere  # the pair accepts chains, so the comparison covers depths past the first
 
 
 def test_unroll_gradients_reach_every_step(target):

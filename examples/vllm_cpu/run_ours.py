@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
     drafter = None
     if args.drafter:
         shape = {"speculation_mode": "chain", "num_assistant_tokens": args.tokens}

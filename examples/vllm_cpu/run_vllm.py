@@ -33,7 +33,7 @@ def main() -> None:
 
     speculative = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.tokens}
     started = time.perf_counter()
-    llm = LLM(model=args.target, dtype="float32", max_model_len=2048, seed=0, disable_log_stats=False,
+    llm = LLM(model=args.target, dtype=args.dtype, max_model_len=2048, seed=0, disable_log_stats=False,
               speculative_config=speculative if args.drafter else None)
     load_seconds = time.perf_counter() - started
     print(f"engine ready in {load_seconds:.0f} s", flush=True)

@@ -26,6 +26,7 @@ def write_report(engine: str, args, rows: list[dict], **extra) -> None:
     and write it with every question's tokens and counters to `args.out`."""
     tokens, seconds = sum(len(r["tokens"]) for r in rows), sum(r["seconds"] for r in rows)
     summary = {"engine": engine, "drafter": args.drafter, "chain": args.tokens if args.drafter else 0,
+               "dtype": args.dtype,
                "new_tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2), **extra}
     if args.drafter:
         drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
@@ -44,5 +45,6 @@ def run_arguments(description: str, drafter_help: str, tokens_help: str) -> argp
     parser.add_argument("--tokens", type=int, default=3, help=f"{tokens_help} (chain length)")
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the target's dtype")
     parser.add_argument("--out", required=True)
     return parser
