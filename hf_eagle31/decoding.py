@@ -38,6 +38,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_eagle31 import llama_verify
 from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
@@ -71,7 +72,7 @@ class Speculation:
     verify_mode: str  # VerifyPlan's mode
     compiled: Callable | None = None  # the target's compiled call (static cache, compile_config)
     block_size: int = 0  # with `compiled`: every verify block padded to this many tokens, one graph per call
-    lean: bool = False  # the target's verify forwards skip transformers' module dispatch (llama_verify.py)
+    lean: llama_verify.CacheRoom | None = None  # the target's verify forwards skip transformers' module dispatch
 
 
 @dataclass

@@ -10,7 +10,8 @@ weights and cache, so its logits, features and cache equal the transformers path
 transformers' own Llama, Mistral or Qwen2 classes (one layer design: `FAMILIES`) without sliding
 windows, every projection packed (packing.py), no hooks or replaced forwards on the modules it
 steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
-Anything else, on any device, runs the target's own forward.
+Anything else, on any device, runs the target's own forward. One thing differs from transformers': the
+cache grows in place (`CacheRoom`) instead of by concatenation, which holds the same entries.
 """
 
 from __future__ import annotations
@@ -123,12 +124,65 @@ def fits_step(cache: Cache, plan) -> bool:
     return plan.mode == "batched" and not plan.held and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: Cache, plan, rotary: Callable) -> torch.Tensor:
+class CacheRoom:
+    """Where one `generate` call's verify forwards grow the target's dynamic cache layers in place.
+
+    Why: transformers' `DynamicLayer.update` concatenates, copying every cached key and value of every
+    layer at every forward, a cost that grows with the context (SmolLM2-135M, fp32, 6,000 cached tokens:
+    1.5-2 ms of a 100 ms verify forward; docs/serving.md). Here a layer's keys and values are the front of a
+    buffer with room behind them (a sixteenth of the cache, at least `MIN_ROOM` tokens), and a block is
+    written into that room. Rolling back (`crop`) and compacting (`compact_cache`) keep that front view;
+    anything that replaces the tensors (a row leaving the batch, a plain forward's concatenation) makes the
+    next block start a new buffer. Buffers belong to one call, so no tensor handed out before it (a cache
+    the caller kept, then cropped) can see its writes.
+    """
+
+    MIN_ROOM = 64
+
+    def __init__(self):
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
+
+    def update(self, cache: Cache, key: torch.Tensor, value: torch.Tensor, index: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cache.update(key, value, index)`'s result and effect on a dynamic layer, without copying the cache."""
+        layer = cache.layers[index]
+        keys, values = layer.keys, layer.values
+        if not layer.is_initialized or keys.numel() == 0:
+            return cache.update(key, value, index)
+        length, end = keys.shape[2], keys.shape[2] + key.shape[2]
+        buffers = self.buffers.get(index)
+        if buffers is None or end > buffers[0].shape[2] or not (
+                _front_of(keys, buffers[0]) and _front_of(values, buffers[1])):
+            room = max(self.MIN_ROOM, length // 16) + key.shape[2]
+            buffers = self.buffers[index] = (_with_room(keys, room), _with_room(values, room))
+        key_buffer, value_buffer = buffers
+        key_buffer[:, :, length:end] = key
+        value_buffer[:, :, length:end] = value
+        layer.keys, layer.values = key_buffer[:, :, :end], value_buffer[:, :, :end]
+        return layer.keys, layer.values
+
+
+def _front_of(entries: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether `entries` is `buffer[:, :, :length]` (the same memory, laid out the same)."""
+    return entries.data_ptr() == buffer.data_ptr() and entries.stride() == buffer.stride() and \
+        entries.shape[:2] == buffer.shape[:2] and entries.shape[3] == buffer.shape[3]
+
+
+def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
+    """A buffer holding `entries` `[B, H, L, D]` at its front, with `room` more positions behind them."""
+    batch, heads, length, size = entries.shape
+    buffer = entries.new_empty(batch, heads, length + room, size)
+    buffer[:, :, :length] = entries
+    return buffer
+
+
+def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: Cache, room: CacheRoom, plan,
+               rotary: Callable) -> torch.Tensor:
     shape = (*x.shape[:-1], -1, attention.head_dim)
     query, key, value = (part.view(shape).transpose(1, 2)
                          for part in attention.q_proj.packed.whole(x).split(attention.q_proj.packed.sizes, dim=-1))
     query, key = rotary(query, key, cos, sin)
-    key, value = cache.update(key, value, attention.layer_idx)
+    key, value = room.update(cache, key, value, attention.layer_idx)
     out, _ = verification.tree_attention_forward(attention, query, key, value, None, scaling=attention.scaling,
                                                  eagle_verify_plan=plan)
     out = out.reshape(*x.shape[:-1], -1).contiguous()
@@ -140,8 +194,8 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj.packed.whole(mlp.act_fn(gate) * up)
 
 
-def llama_verify_forward(target: PreTrainedModel, cache: Cache, plan, tokens: torch.Tensor, positions: torch.Tensor,
-                         target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom, plan, tokens: torch.Tensor,
+                         positions: torch.Tensor, target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify_forward`'s result where `fits` and `fits_step`: raw float logits `[B, n, V]`, features `[B, n, 3 H_t]`."""
     model = target.model
     family = FAMILIES[type(model)]
@@ -150,7 +204,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, plan, tokens: to
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         states[index] = x
-        x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, cache, plan,
+        x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, cache, room, plan,
                            family.rotary)
         x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x))
     x = family.norm.forward(model.norm, x)

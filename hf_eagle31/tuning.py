@@ -87,7 +87,7 @@ def verify_cost_curve(
     with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
-        lean = llama_verify.fits(target)
+        lean = llama_verify.CacheRoom() if llama_verify.fits(target) else None
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
             plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
@@ -143,7 +143,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     verify, draft, plain = {}, {}, {}
     pack = packs_weights(drafter)
 
-    def block_cost(cache: DynamicCache, batch: int, n: int, lean: bool = False) -> float:
+    def block_cost(cache: DynamicCache, batch: int, n: int, lean: llama_verify.CacheRoom | None = None) -> float:
         tokens = torch.randint(3, vocab, (batch, n), device=device)
         positions = (context + torch.arange(n, device=device)).expand(batch, n)
         plan = VerifyPlan.for_cache(torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch, n, n), cache)
@@ -161,7 +161,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
             plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
             with packed_weights(target, pack), packed_weights(drafter, pack):
-                lean = llama_verify.fits(target)  # as decoding decides it, once the weights are packed
+                lean = llama_verify.CacheRoom() if llama_verify.fits(target) else None  # as decoding decides it
                 verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
                 draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
                                     for d in range(1, max_depth + 1)} for k in top_ks}

@@ -38,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from hf_eagle31 import llama_verify
 from hf_eagle31.drafting import DraftTree, truncate_cache
 from hf_eagle31.features import capture_request, select_features
-from hf_eagle31.kernels.tree_attention import tree_attention
+from hf_eagle31.kernels.tree_attention import fold_mask, grouped_attention, tree_attention
 
 ATTENTION_NAME = "eagle_tree"  # the target's SDPA underneath
 EAGER_ATTENTION_NAME = "eagle_tree_eager"  # the target's own eager attention underneath
@@ -106,7 +106,7 @@ class VerifyPlan:
     batch_size: int = 1
     cached: int | None = None  # tokens cached before the block (None: all the keys before it)
     _layer_masks: dict = field(default_factory=dict, init=False, repr=False)  # (keys, window) -> bool mask
-    _additive_masks: dict = field(default_factory=dict, init=False, repr=False)  # (keys, window, dtype) -> additive
+    _additive_masks: dict = field(default_factory=dict, init=False, repr=False)  # (keys, window, dtype, groups)
 
     def __post_init__(self) -> None:
         if self.mode not in VERIFY_MODES:
@@ -162,15 +162,18 @@ class VerifyPlan:
             self._layer_masks[key_length, window] = torch.cat([seen, block, unwritten], dim=2)
         return self._layer_masks[key_length, window]
 
-    def additive_layer_mask(self, key_length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """`layer_mask` `[B, 1, n, key_length]` as an additive mask (`additive_mask`), for SDPA and eager attention.
+    def additive_layer_mask(self, key_length: int, window: int | None, dtype: torch.dtype, groups: int = 1
+                            ) -> torch.Tensor:
+        """`layer_mask` `[B, 1, n, key_length]` as an additive mask (`additive_mask`), for SDPA and eager attention;
+        with `groups`, folded for `grouped_attention`.
 
         Why: SDPA converts a boolean mask at every call, two ops per layer (~1 ms of a 50 ms verify forward of
         SmolLM2 on the 2-core CPU); the layers that share a key length and window share one conversion."""
-        if (key_length, window, dtype) not in self._additive_masks:
-            self._additive_masks[key_length, window, dtype] = additive_mask(
-                self.layer_mask(key_length, window)[:, None], dtype)
-        return self._additive_masks[key_length, window, dtype]
+        key = key_length, window, dtype, groups
+        if key not in self._additive_masks:
+            self._additive_masks[key] = fold_mask(additive_mask(self.layer_mask(key_length, window)[:, None], dtype),
+                                                  groups)
+        return self._additive_masks[key]
 
     def held_keys(self, row: int, node: int, past: int, layer: int | None) -> torch.Tensor:
         """The keys (indices into the layer's `past + n`) a one-token decode step at `node` of `row` attends over.
@@ -215,13 +218,13 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     if plan.mode == "kernel" and query.is_cuda and plan.mask.shape[0] == 1 and plan.key_padding is None and \
             window is None and not eager:
         return tree_attention(query, key, value, plan.mask[0], scaling).transpose(1, 2).contiguous(), None
-    mask = plan.additive_layer_mask(key.shape[2], window, query.dtype)
     if eager:  # softcapping, attention sinks and the like stay the target's own business
-        return attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
-    # torch's SDPA directly: transformers' wrapper copies K/V per query head whenever a mask is given
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+        return attention(module, query, key, value, plan.additive_layer_mask(key.shape[2], window, query.dtype),
+                         scaling=scaling, dropout=dropout, **kwargs)
+    # torch's SDPA directly (transformers' wrapper copies K/V per query head whenever a mask is given), each
+    # group of query heads as one block
+    mask = plan.additive_layer_mask(key.shape[2], window, query.dtype, query.shape[1] // key.shape[1])
+    return grouped_attention(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -385,7 +388,8 @@ def static_capacity(cache: Cache) -> int | None:
 
 def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, tokens: torch.Tensor,
                    positions: torch.Tensor, target_layer_ids: list[int],
-                   compiled: Callable | None = None, lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   compiled: Callable | None = None, lean: llama_verify.CacheRoom | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over every row's block (`tokens`, `positions` `[B, n]`, the target in
     `eagle_verification` mode): raw float logits `[B, n, V]` and the drafter's features `[B, n, 3 H_t]`.
 
@@ -394,10 +398,10 @@ def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, toke
     `compiled` is the target's compiled call (transformers' `compile_config` path, a "batched" plan on a
     static cache): the 4D mask alone then carries the plan, the target's own attention applies it, and
     dynamo traces one graph per block size. `lean`: the target `llama_verify.fits` (a Llama on packed weights),
-    whose forward then skips transformers' module dispatch, with the same result.
+    whose forward then skips transformers' module dispatch, with the same result, growing the cache in this room.
     """
-    if lean and compiled is None and llama_verify.fits_step(cache, plan):
-        return llama_verify.llama_verify_forward(target, cache, plan, tokens, positions, target_layer_ids)
+    if lean is not None and compiled is None and llama_verify.fits_step(cache, plan):
+        return llama_verify.llama_verify_forward(target, cache, lean, plan, tokens, positions, target_layer_ids)
     cache.activate_past_recording()
     total = static_capacity(cache) or int(cache.get_seq_length()) + tokens.shape[1]
     inputs = dict(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,

@@ -50,11 +50,33 @@ def tree_attention_reference(
     if prefix < 0:
         raise ValueError(f"tail_mask covers {tail_mask.shape[-1]} keys but the cache holds only {kv_len}.")
     mask = torch.cat([tail_mask.new_ones(*tail_mask.shape[:-1], prefix), tail_mask], dim=-1)
-    if mask.dim() == 3:
-        mask = mask[:, None]
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-    )
+    mask = mask[:, None] if mask.dim() == 3 else mask[None, None]
+    return grouped_attention(query, key, value, fold_mask(mask, query.shape[1] // key.shape[1]), scale)
+
+
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """A `[B, 1, n, S]` mask (boolean or additive) for `grouped_attention`: `[B, 1, groups * n, S]`, once per
+    query head of a group."""
+    if groups == 1:
+        return mask
+    return mask.expand(-1, groups, -1, -1).reshape(mask.shape[0], 1, groups * mask.shape[2], mask.shape[3])
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """torch's SDPA with the query heads that share a key/value head folded into one longer block of queries
+    (`mask` folded by `fold_mask`); `[batch, q_heads, n, v_head_dim]`.
+
+    Why: every query row gets the products SDPA's `enable_gqa` gives it, but a CPU runs it 10-25% faster (the
+    keys are read once per group: 2.6 -> 2.3 ms for 30 layers of SmolLM2 at 400 keys, 12.5 -> 9.9 at 2,000;
+    docs/serving.md), and on CUDA a masked `enable_gqa` call falls back to the math kernel where this one
+    keeps a fused kernel.
+    """
+    batch, heads, n, size = query.shape
+    kv_heads = key.shape[1]
+    out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads * n, size), key, value,
+                                         attn_mask=mask, scale=scale)
+    return out.view(batch, heads, n, out.shape[-1])
 
 
 def tree_attention(

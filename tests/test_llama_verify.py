@@ -8,7 +8,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfi
 from hf_eagle31 import llama_verify
 from hf_eagle31.generation import eagle_verification
 from hf_eagle31.packing import can_pack, fast_bf16, packed_weights
-from hf_eagle31.verification import VerifyPlan, verify_forward
+from hf_eagle31.verification import VerifyPlan, compact_cache, verify_forward
 
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 
@@ -29,7 +29,8 @@ def both_forwards(target, prompts, attention_mask):
             assert llama_verify.fits(target) and llama_verify.fits_step(cache, plan)
             tokens = torch.tensor([[5, 9, 17, 33, 65]]).expand(len(prompts), -1)
             positions = attention_mask.sum(-1, keepdim=True) + torch.tensor([[0, 1, 1, 2, 2]])
-            logits, features = verify_forward(target, cache, plan, tokens, positions, LAYER_IDS, lean=lean)
+            room = llama_verify.CacheRoom() if lean else None
+            logits, features = verify_forward(target, cache, plan, tokens, positions, LAYER_IDS, lean=room)
             results.append((logits, features, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]))
     return results
 
@@ -90,3 +91,39 @@ def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypat
     plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24)
     eagle = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24, assistant_model=drafter)
     assert calls and torch.equal(eagle, plain)
+
+
+def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it():
+    """Blocks appended, rolled back, compacted, a row leaving: the room's cache holds what transformers' holds,
+    grows in place between buffers, and never writes into a tensor handed out before the room was made."""
+    torch.manual_seed(0)
+    batch, heads, size = 2, 3, 8
+    caches = [DynamicCache(), DynamicCache()]
+    prefix = torch.randn(batch, heads, 10, size), torch.randn(batch, heads, 10, 4)  # values of another head size
+    for cache in caches:
+        cache.update(*prefix, 0)
+        cache.crop(-2)
+    kept_before = caches[1].layers[0].keys  # the front of the prefix's tensor: the room must copy, not write into it
+    held = kept_before.clone()
+    room = llama_verify.CacheRoom()
+    moves = 0
+    for step in range(40):
+        n = 1 + step % 5
+        block = torch.randn(batch, heads, n, size), torch.randn(batch, heads, n, 4)
+        expected = caches[0].update(*block, 0)
+        pointer = caches[1].layers[0].keys.data_ptr()
+        got = room.update(caches[1], *block, 0)
+        moves += caches[1].layers[0].keys.data_ptr() != pointer
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        start = caches[0].get_seq_length() - n
+        kept = [torch.arange(n)[torch.randperm(n)[: 1 + step % n]].sort().values for _ in range(batch)]
+        for cache in caches:
+            compact_cache(cache, start, kept)
+        if step == 30:
+            for cache in caches:
+                cache.batch_select_indices(torch.tensor([1]))
+            batch = 1
+        (keys, values), (room_keys, room_values) = ((c.layers[0].keys, c.layers[0].values) for c in caches)
+        assert torch.equal(room_keys, keys) and torch.equal(room_values, values)
+    assert torch.equal(kept_before, held)
+    assert moves <= 4  # the first block, the row leaving, and a new buffer when the room runs out

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from hf_eagle31.drafting import DraftTree
 from hf_eagle31.generation import eagle_verification
-from hf_eagle31.verification import VerifyPlan
+from hf_eagle31.verification import VerifyPlan, tree_attention_forward
 
 #      0
 #    1   2
@@ -77,3 +77,19 @@ def test_the_plans_additive_mask_gives_sdpa_what_its_boolean_mask_gives(dtype):
     got = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.additive_layer_mask(12, None, dtype))
     assert torch.equal(got, expected)
     assert plan.additive_layer_mask(12, None, dtype) is plan.additive_layer_mask(12, None, dtype)  # converted once per plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_batched_verify_attention_folds_query_heads_without_changing_a_bit(dtype, groups):
+    """The query heads sharing a key/value head run as one longer block: SDPA's own grouped attention's result (the
+    same products, bit for bit on the 2-core CPU; a wrong grouping or mask would be far off)."""
+    plan = VerifyPlan(torch.stack([TREE.ancestor_mask(), torch.ones(7, 7, dtype=torch.bool).tril()]),
+                      key_padding=torch.tensor([[False, True, True, True, True], [True] * 5]))
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 7, 2 * groups, 8, generator=g).to(dtype).transpose(1, 2)  # as a projection's view
+    key, value = (torch.randn(2, 2, 12, size, generator=g).to(dtype) for size in (8, 6))  # values of another size
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.layer_mask(12)[:, None],
+                                              enable_gqa=groups > 1).transpose(1, 2)
+    got, _ = tree_attention_forward(torch.nn.Module(), query, key, value, None, eagle_verify_plan=plan)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
