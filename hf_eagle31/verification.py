@@ -428,14 +428,16 @@ def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.T
         index[b, : k.shape[0]] = k.to(device)
         real[b, : k.shape[0]] = True
     in_place = all(torch.equal(k.cpu(), torch.arange(k.shape[0])) for k in kept)  # a chain's, or the root alone
+    gathers = {}  # (heads, head size) -> the index expanded to them: layers share a few shapes
     for layer in cache.layers:
         if in_place or not layer.is_initialized:
             continue
         first = start if isinstance(layer, StaticLayer) else layer.keys.shape[2] - block
         for entries in (layer.keys, layer.values):
-            part = entries[:, :, first : first + block]
-            gather = index[:, None, :, None].expand(-1, part.shape[1], -1, part.shape[3])
-            entries[:, :, first : first + longest] = part.gather(2, gather)
+            shape = entries.shape[1], entries.shape[3]
+            if shape not in gathers:
+                gathers[shape] = index[:, None, :, None].expand(-1, shape[0], -1, shape[1])
+            entries[:, :, first : first + longest] = entries[:, :, first : first + block].gather(2, gathers[shape])
     truncate_cache(cache, start + longest)
     return real
 
