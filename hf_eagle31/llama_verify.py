@@ -130,7 +130,7 @@ class CacheRoom:
 
     Why: transformers' `DynamicLayer.update` concatenates, copying every cached key and value of every
     layer at every forward, a cost that grows with the context (SmolLM2-135M, fp32, 6,000 cached tokens:
-    1.5-2 ms of a 100 ms verify forward; docs/serving.md). Here a layer's keys and values are the front of a
+    1.6-3.4 ms of a 100-110 ms verify forward; docs/serving.md). Here a layer's keys and values are the front of a
     buffer with room behind them (a sixteenth of the cache, at least `MIN_ROOM` tokens), and a block is
     written into that room. Rolling back (`crop`) and compacting (`compact_cache`) keep that front view;
     anything that replaces the tensors (a row leaving the batch, a plain forward's concatenation) makes the
