@@ -357,7 +357,7 @@ def install() -> None:
             speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
         pack = packs_weights(drafter)  # a compiled forward calls the packed products as opaque ops (packing.py)
         with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
-            speculation.lean = llama_verify.CacheRoom() if llama_verify.fits(self) else None
+            speculation.lean = llama_verify.room_for(self)
             return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
 
     @functools.wraps(extract)

@@ -177,6 +177,12 @@ def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
     return buffer
 
 
+def room_for(target: PreTrainedModel) -> CacheRoom | None:
+    """A fresh room where the target's verify forwards can take the lean forward (`fits`), None where they cannot:
+    what decoding passes on as `lean`, and the tuner too, so it times what decoding runs."""
+    return CacheRoom() if fits(target) else None
+
+
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: Cache, room: CacheRoom, plan,
                rotate_half: Callable) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by

@@ -87,7 +87,7 @@ def verify_cost_curve(
     with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
-        lean = llama_verify.CacheRoom() if llama_verify.fits(target) else None
+        lean = llama_verify.room_for(target)
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
             plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
@@ -161,7 +161,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
             plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
             with packed_weights(target, pack), packed_weights(drafter, pack):
-                lean = llama_verify.CacheRoom() if llama_verify.fits(target) else None  # as decoding decides it
+                lean = llama_verify.room_for(target)  # as decoding decides it, once the weights are packed
                 verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
                 draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
                                     for d in range(1, max_depth + 1)} for k in top_ks}
