@@ -39,7 +39,7 @@ from hf_eagle31.verification import (
 POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k": 64, "tree_total_tokens": 1024,
                      "max_speculation_depth": 64, "verify_chunk_depth": 64}  # name -> largest value accepted
 CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES}
-SWITCHES = ("dynamic_speculation", "collapse_fallback", "pack_weights")
+SWITCHES = ("dynamic_speculation", "collapse_fallback", "pack_weights", "compile_verify")
 
 
 def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
@@ -71,6 +71,11 @@ def verify_mode(drafter: Eagle3DraftModel) -> str:
 def packs_weights(drafter: Eagle3DraftModel) -> bool:
     """Whether this drafter's calls verify on packed weights where the target can have them (packing.py)."""
     return speculation_setting(drafter, "pack_weights") and verify_mode(drafter) != "exact"
+
+
+def compiles_verify(drafter: Eagle3DraftModel) -> bool:
+    """Whether this drafter's calls verify with the compiled lean forward where the target takes the lean one."""
+    return speculation_setting(drafter, "compile_verify") and packs_weights(drafter)
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
@@ -357,7 +362,7 @@ def install() -> None:
             speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
         pack = packs_weights(drafter)  # a compiled forward calls the packed products as opaque ops (packing.py)
         with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
-            speculation.lean = llama_verify.room_for(self)
+            speculation.lean = llama_verify.room_for(self, compiles_verify(drafter))
             return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
 
     @functools.wraps(extract)

@@ -12,16 +12,19 @@ windows, every projection packed (packing.py), no hooks or replaced forwards on 
 steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
 Anything else, on any device, runs the target's own forward. Two things are done differently, with the same
 numbers: the queries and keys are rotated in one go, and the cache grows in place (`CacheRoom`) instead of by
-concatenation.
+concatenation. With `compile_verify` the layers run as one inductor graph (`compiled_decoder`), with the same
+numbers but for the order of a few sums.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 from torch.nn.modules import module as torch_module
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -31,6 +34,8 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.utils import output_capturing
 
 from hf_eagle31 import verification  # its `verify_forward` calls this module's forward (a cycle Python resolves)
+from hf_eagle31.kernels.tree_attention import grouped_attention
+from hf_eagle31.packing import product
 
 
 @dataclass(frozen=True)
@@ -121,12 +126,15 @@ def fits(target: PreTrainedModel) -> bool:
 
 
 def fits_step(cache: Cache, plan) -> bool:
-    """Whether this verify forward is one `llama_verify_forward` computes: a "batched" plan, dynamic cache layers."""
-    return plan.mode == "batched" and not plan.held and all(type(layer) is DynamicLayer for layer in cache.layers)
+    """Whether this verify forward is one `llama_verify_forward` computes: a "batched" plan, dynamic cache layers
+    that hold the prompt already."""
+    return plan.mode == "batched" and not plan.held and \
+        all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
 
 
 class CacheRoom:
-    """Where one `generate` call's verify forwards grow the target's dynamic cache layers in place.
+    """Where one `generate` call's verify forwards grow the target's dynamic cache layers in place, and whether
+    they run compiled (`compiled_decoder`).
 
     Why: transformers' `DynamicLayer.update` concatenates, copying every cached key and value of every
     layer at every forward, a cost that grows with the context (SmolLM2-135M, fp32, 6,000 cached tokens:
@@ -140,27 +148,29 @@ class CacheRoom:
 
     MIN_ROOM = 64
 
-    def __init__(self):
+    def __init__(self, compiled: bool = False):
+        self.compiled = compiled
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
 
-    def update(self, cache: Cache, key: torch.Tensor, value: torch.Tensor, index: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`cache.update(key, value, index)`'s result and effect on a dynamic layer, without copying the cache."""
-        layer = cache.layers[index]
-        keys, values = layer.keys, layer.values
-        if not layer.is_initialized or keys.numel() == 0:
-            return cache.update(key, value, index)
-        length, end = keys.shape[2], keys.shape[2] + key.shape[2]
-        buffers = self.buffers.get(index)
-        if buffers is None or end > buffers[0].shape[2] or not (
-                _front_of(keys, buffers[0]) and _front_of(values, buffers[1])):
-            room = max(self.MIN_ROOM, length // 16) + key.shape[2]
-            buffers = self.buffers[index] = (_with_room(keys, room), _with_room(values, room))
-        key_buffer, value_buffer = buffers
-        key_buffer[:, :, length:end] = key
-        value_buffer[:, :, length:end] = value
-        layer.keys, layer.values = key_buffer[:, :, :end], value_buffer[:, :, :end]
-        return layer.keys, layer.values
+    def reserve(self, cache: Cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """Every layer's keys and values `[B, H, length + n, D]` in its buffers, the cache at the front, and the
+        `length` cached: the forward writes its `n` keys and values behind it, `commit` makes them the cache."""
+        keys, values = [], []
+        for index, layer in enumerate(cache.layers):
+            length, buffers = layer.keys.shape[2], self.buffers.get(index)
+            if buffers is None or length + n >= buffers[0].shape[2] or not (  # never full: one compiled graph
+                    _front_of(layer.keys, buffers[0]) and _front_of(layer.values, buffers[1])):
+                room = max(self.MIN_ROOM, length // 16) + n
+                buffers = self.buffers[index] = (_with_room(layer.keys, room), _with_room(layer.values, room))
+            keys.append(buffers[0][:, :, : length + n])
+            values.append(buffers[1][:, :, : length + n])
+        return keys, values, length
+
+    def commit(self, cache: Cache, end: int) -> None:
+        """Each layer's cache is now the first `end` positions of its buffers."""
+        for index, layer in enumerate(cache.layers):
+            keys, values = self.buffers[index]
+            layer.keys, layer.values = keys[:, :, :end], values[:, :, :end]
 
 
 def _front_of(entries: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -177,46 +187,97 @@ def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
     return buffer
 
 
-def room_for(target: PreTrainedModel) -> CacheRoom | None:
+def room_for(target: PreTrainedModel, compiled: bool = False) -> CacheRoom | None:
     """A fresh room where the target's verify forwards can take the lean forward (`fits`), None where they cannot:
     what decoding passes on as `lean`, and the tuner too, so it times what decoding runs."""
-    return CacheRoom() if fits(target) else None
+    return CacheRoom(compiled) if fits(target) else None
 
 
-def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: Cache, room: CacheRoom, plan,
-               rotate_half: Callable) -> torch.Tensor:
+Product = tuple[int, torch.Tensor | None]  # a packed product: its `PackedGroup`'s id and bias (packing.product)
+
+
+def products(model: nn.Module) -> list[Product]:
+    """Each layer's four packed products (q/k/v, o, gate/up, down), in order: what `_decoder` multiplies by.
+    Why ids: a compiled decoder takes them as inputs, so the next call's packing (new groups) reuses its graph."""
+    return [(id(linear.packed), linear.packed.bias) for layer in model.layers[: model.config.num_hidden_layers]
+            for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
+
+
+def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
+               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: Product, o: Product) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
-    # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations: 0.4-1.7 ms a forward)
-    heads = attention.q_proj.packed.whole(x).view(*x.shape[:-1], -1, attention.head_dim)
-    queries, keys = (size // attention.head_dim for size in attention.q_proj.packed.sizes[:2])
-    turned = heads[:, :, : queries + keys]
+    # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations: 0.4-1.7 ms a forward);
+    # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
+    config, size = attention.config, attention.head_dim
+    queries, kv = config.num_attention_heads, config.num_key_value_heads
+    heads = product(qkv[0], x, (queries + 2 * kv) * size, qkv[1]).view(*x.shape[:-1], -1, size)
+    turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
-    query, key = turned[:, :, :queries].transpose(1, 2), turned[:, :, queries:].transpose(1, 2)
-    key, value = room.update(cache, key, heads[:, :, queries + keys :].transpose(1, 2), attention.layer_idx)
-    out, _ = verification.tree_attention_forward(attention, query, key, value, None, scaling=attention.scaling,
-                                                 eagle_verify_plan=plan)
-    out = out.reshape(*x.shape[:-1], -1).contiguous()
-    return attention.o_proj.packed.whole(out)
+    keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
+    values[:, :, length:] = heads[:, :, queries + kv :].transpose(1, 2)
+    # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window)
+    out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling)
+    return product(o[0], out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, o[1])
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = mlp.gate_proj.packed.whole(x).split(mlp.gate_proj.packed.sizes, dim=-1)
-    return mlp.down_proj.packed.whole(mlp.act_fn(gate) * up)
+def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: Product, down: Product) -> torch.Tensor:
+    width = mlp.intermediate_size
+    gate, up = product(gate_up[0], x, 2 * width, gate_up[1]).split(width, dim=-1)
+    return product(down[0], mlp.act_fn(gate) * up, mlp.hidden_size, down[1])
+
+
+def _decoder(model: nn.Module, products: list[Product], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             keys: list[torch.Tensor], values: list[torch.Tensor], length: int, mask: torch.Tensor,
+             target_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features."""
+    family = FAMILIES[type(model)]
+    states = {}
+    for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
+        qkv, o, gate_up, down = products[4 * index : 4 * index + 4]
+        states[index] = x
+        x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, keys[index],
+                           values[index], length, mask, family.rotate_half, qkv, o)
+        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down)
+    x = family.norm.forward(model.norm, x)
+    states[model.config.num_hidden_layers] = x
+    return x, torch.cat([states[i] for i in target_layer_ids], dim=-1)
+
+
+@functools.cache
+def compiled_decoder() -> Callable:
+    """`_decoder` compiled by inductor, for `compile_verify` (created once a process; dynamo compiles a graph per
+    target, dtype and batch size, for any block size, cache length and packing of the weights).
+
+    Why: on a 2-core CPU the eager forward spends half its time between the products, in ~50 small operations a
+    layer, each costlier than in a loop because the products streaming the weights evict the code and data they
+    run on; inductor fuses them into a few C++ kernels, and its C++ wrapper (`cpp_wrapper`) calls those and the
+    products without Python in between (docs/serving.md). `emulate_precision_casts` rounds as eager does after
+    each bf16 operation (bf16 logits eager's, or one bf16 rounding apart where a fused sum runs in another
+    order); fp32 sums in another order too (SmolLM2's logits within 3e-4 of eager's, outputs the same).
+    """
+    return torch.compile(_decoder, dynamic=True, fullgraph=True,
+                         options={"cpp_wrapper": True, "emulate_precision_casts": True})
 
 
 def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom, plan, tokens: torch.Tensor,
                          positions: torch.Tensor, target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify_forward`'s result where `fits` and `fits_step`: raw float logits `[B, n, V]`, features `[B, n, 3 H_t]`."""
-    model = target.model
-    family = FAMILIES[type(model)]
+    model, n = target.model, tokens.shape[1]
     x = model.embed_tokens(tokens)
     cos, sin = (part.unsqueeze(2) for part in model.rotary_emb(x, position_ids=positions))  # over the heads
-    states = {}
-    for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
-        states[index] = x
-        x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, cache, room, plan,
-                           family.rotate_half)
-        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x))
-    x = family.norm.forward(model.norm, x)
-    states[model.config.num_hidden_layers] = x
-    return target.lm_head(x).float(), torch.cat([states[i] for i in target_layer_ids], dim=-1)
+    keys, values, length = room.reserve(cache, n)
+    config = model.config
+    mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
+    inputs = model, products(model), x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
+    if room.compiled and n > 1:  # one graph for every block size, none that equal another size by chance
+        try:
+            with fx_config.patch(use_duck_shape=False):
+                x, features = compiled_decoder()(*inputs)
+        except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
+            raise RuntimeError("compile_verify=True: inductor could not compile the target's verify forward "
+                               f"({type(error).__name__}); install a C++ compiler (g++) or set "
+                               "drafter.generation_config.compile_verify = False") from error
+    else:
+        x, features = _decoder(*inputs)
+    room.commit(cache, length + n)
+    return target.lm_head(x).float(), features

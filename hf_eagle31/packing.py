@@ -81,7 +81,7 @@ class PackedGroup:
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's output, side by side in the last dimension: the one product."""
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return product(id(self), x, sum(self.sizes), self.bias)
 
     def product(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if len(self.sizes) == 1:
@@ -104,7 +104,7 @@ _PACKED_BY_ID: dict[int, torch.Tensor] = {}  # id(group) -> its packed weight, f
 def packed_linear(x: torch.Tensor, group: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """A packed product as one opaque op, so that torch.compile traces around it (a packed weight is an
     mkldnn tensor, which it cannot trace); `group` is the `PackedGroup`'s id."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _PACKED_BY_ID[group], bias, "none", [], "")
+    return product(group, x, out_features, bias)  # run, not traced: `product`'s oneDNN call
 
 
 @packed_linear.register_fake
@@ -112,11 +112,18 @@ def _(x: torch.Tensor, group: int, out_features: int, bias: torch.Tensor | None)
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def product(group: int, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed product of the `PackedGroup` whose id is `group`: oneDNN's, or under torch.compile `packed_linear`.
+    A compiled caller passes the id in as an input, so that its graph serves the next packing of the weights too."""
+    if torch.compiler.is_compiling():
+        return packed_linear(x, group, out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _PACKED_BY_ID[group], bias, "none", [], "")
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     group, member = self.packed, self.packed_member
     if torch.compiler.is_compiling():  # each member takes its slice of the whole product (dynamo traces no `pending`)
-        out = packed_linear(x, id(group), sum(group.sizes), group.bias)
-        return out.split(group.sizes, dim=-1)[member]
+        return group.whole(x).split(group.sizes, dim=-1)[member]
     if exact_mode_active():  # a concurrent "exact" call on this target computes on the plain weight
         return F.linear(x, group.weight.to_dense().split(group.sizes)[member], self.bias)
     return group.product(x, member)

@@ -30,7 +30,14 @@ from transformers import DynamicCache, PreTrainedModel
 
 from hf_eagle31 import llama_verify
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
-from hf_eagle31.generation import drafting_dtype, eagle_verification, packs_weights, prepare_drafter, verify_mode
+from hf_eagle31.generation import (
+    compiles_verify,
+    drafting_dtype,
+    eagle_verification,
+    packs_weights,
+    prepare_drafter,
+    verify_mode,
+)
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packing import packed_weights
 from hf_eagle31.verification import VerifyPlan, verify_forward
@@ -75,11 +82,13 @@ def verify_cost_curve(
     repeats: int = 5,
     mode: str = "batched",
     pack: bool = False,
+    compiled: bool = False,
 ) -> dict[int, float]:
     """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
 
     Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
-    mask, the drafter's features captured, on packed weights if `pack` (packing.py).
+    mask, the drafter's features captured, on packed weights if `pack` (packing.py), compiled if `compiled`
+    (`compile_verify`: the warm-up compiles).
     """
     device = target.device
     prompt = torch.randint(3, target.config.get_text_config().vocab_size, (1, context), device=device)
@@ -87,7 +96,7 @@ def verify_cost_curve(
     with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
         target(prompt, past_key_values=cache)
-        lean = llama_verify.room_for(target)
+        lean = llama_verify.room_for(target, compiled)
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
             plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
@@ -161,7 +170,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
             plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
             with packed_weights(target, pack), packed_weights(drafter, pack):
-                lean = llama_verify.room_for(target)  # as decoding decides it, once the weights are packed
+                lean = llama_verify.room_for(target, compiles_verify(drafter))  # as decoding decides it, packed
                 verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
                 draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
                                     for d in range(1, max_depth + 1)} for k in top_ks}
@@ -273,7 +282,8 @@ def choose_tree_shape(
     # chain over a tree on a dip at one size); the three costs in turn in each pass, so a slow minute slows them alike.
     passes = []
     for _ in range(TUNING_ROUNDS):
-        curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack)
+        curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
+                                  compiled=compiles_verify(drafter))
         plain = verify_cost_curve(target, [1], layer_ids, context=context)[1] if pack else curve[1]
         with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
             drafts = {w: {d: draft_cost(drafter, d, w, context=context) for d in range(1, max_depth + 1)}

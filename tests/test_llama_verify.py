@@ -112,9 +112,12 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
         block = torch.randn(batch, heads, n, size), torch.randn(batch, heads, n, 4)
         expected = caches[0].update(*block, 0)
         pointer = caches[1].layers[0].keys.data_ptr()
-        got = room.update(caches[1], *block, 0)
+        (keys,), (values,), length = room.reserve(caches[1], n)  # as the lean forward writes a block
+        keys[:, :, length:], values[:, :, length:] = block
+        room.commit(caches[1], length + n)
         moves += caches[1].layers[0].keys.data_ptr() != pointer
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        layer = caches[1].layers[0]
+        assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
         start = caches[0].get_seq_length() - n
         kept = [torch.arange(n)[torch.randperm(n)[: 1 + step % n]].sort().values for _ in range(batch)]
         for cache in caches:
@@ -127,3 +130,18 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
         assert torch.equal(room_keys, keys) and torch.equal(room_values, values)
     assert torch.equal(kept_before, held)
     assert moves <= 4  # the first block, the row leaving, and a new buffer when the room runs out
+
+
+def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(monkeypatch):
+    """`compile_verify`: inductor's graph of the lean forward gives plain greedy's output (fp32), and serves every
+    later call, its new packing of the weights, other block sizes and cache lengths, without compiling again."""
+    target, drafter = trained_pair("llama", tree_depth=3, tree_top_k=3, tree_total_tokens=6, compile_verify=True)
+    calls = []
+    compiled = llama_verify.compiled_decoder()
+    monkeypatch.setattr(llama_verify, "compiled_decoder", lambda: lambda *args: calls.append(1) or compiled(*args))
+    plain = target.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24)
+    eagle = target.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24, assistant_model=drafter)  # compiles
+    assert calls and torch.equal(eagle, plain)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = target.generate(PROMPTS[1:2], do_sample=False, max_new_tokens=40, assistant_model=drafter)
+    assert len(calls) > 1 and torch.equal(again, target.generate(PROMPTS[1:2], do_sample=False, max_new_tokens=40))

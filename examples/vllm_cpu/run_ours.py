@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["chain", "tree"], help="with --tuned: this mode in its tuned shape (the "
                         "drafter keeps its best chain and best tree) instead of the faster one")
     parser.add_argument("--pack-once", action="store_true", help="pack the weights once for all questions")
+    parser.add_argument("--compile-verify", action="store_true", help="the compiled verify forward (compile_verify; "
+                        "the warm-up call compiles)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -39,7 +41,7 @@ def main() -> None:
         if args.tuned:
             shape = {"speculation_mode": args.mode} if args.mode else {}
         drafter = Eagle3DraftModel.from_pretrained(args.drafter, dynamic_speculation=False, collapse_fallback=False,
-                                                   **shape)
+                                                   compile_verify=args.compile_verify, **shape)
         config = drafter.generation_config
         if args.tuned:  # per-position counters
             args.tokens = config.tree_depth if config.speculation_mode == "tree" else config.num_assistant_tokens
@@ -68,7 +70,8 @@ def main() -> None:
         shape = (f"tree: top-k {config.tree_top_k}, depth {config.tree_depth}, {config.tree_total_tokens} tokens"
                  if config.speculation_mode == "tree" else f"chain of {config.num_assistant_tokens}")
     write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None,
-                 shape=shape, packed_once=bool(args.pack_once and drafter))
+                 shape=shape, packed_once=bool(args.pack_once and drafter),
+                 compiled_verify=bool(args.compile_verify and drafter))
 
 
 if __name__ == "__main__":

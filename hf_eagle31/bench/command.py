@@ -62,6 +62,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--drafter-dtype", default="", help="the drafters' dtype (default: bf16 where the device computes it at full "
         "speed, else the target's); drafting in bf16 beside an fp32 target streams half the bytes, and the target's "
         "verification keeps the output exact")
+    add("--compile-verify", action="store_true", help="the drafters' calls verify with the compiled lean forward "
+        "(compile_verify; its first call compiles for 1-2 minutes); --verify-cost measures that path too")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
     add("--verify-cost", action="store_true", help="measure the verify-cost curve t(n)/t(1) on torch's default path "
@@ -153,7 +155,8 @@ def load_models(args):
     drafter_dtype = getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)
     for name, path in drafter_folders(args):
         if path:
-            drafter = Eagle3DraftModel.from_pretrained(path).to(args.device, drafter_dtype).eval()
+            drafter = Eagle3DraftModel.from_pretrained(path, compile_verify=args.compile_verify)
+            drafter = drafter.to(args.device, drafter_dtype).eval()
             prepare_drafter(target, drafter)
             drafters[name] = drafter
     assistant = load_assistant(args.assistant, target) if args.assistant else None

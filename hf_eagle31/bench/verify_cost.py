@@ -1,5 +1,5 @@
-"""`hf-eagle31 bench --verify-cost`: what verifying n tokens costs, on torch's default path and on packed weights,
-and what a draft level costs beside it.
+"""`hf-eagle31 bench --verify-cost`: what verifying n tokens costs, on torch's default path and on packed weights
+(and compiled, with --compile-verify), and what a draft level costs beside it.
 
 Both curves are measured in one process, in interleaved rounds (medians), and divided by the
 same t(1): one plain step on the target's own weights, which is what speculation has to beat.
@@ -21,14 +21,17 @@ from hf_eagle31.tuning import draft_cost, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PATHS = {"default": False, "packed": True}  # name -> pack the weights (hf_eagle31/packing.py)
+COMPILED = "packed, compiled"  # the packed path's lean forward compiled (`compile_verify`), with --compile-verify
 
 
-def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256) -> dict:
+def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, compiled: bool = False) -> dict:
     """Seconds per verify forward of each size on each path: the median over `rounds` interleaved rounds."""
-    seconds = {name: {n: [] for n in SIZES} for name in PATHS}
+    paths = {name: (pack, False) for name, pack in PATHS.items()} | ({COMPILED: (True, True)} if compiled else {})
+    seconds = {name: {n: [] for n in SIZES} for name in paths}
     for _ in range(rounds):
-        for name, pack in PATHS.items():
-            for n, t in verify_cost_curve(target, list(SIZES), layer_ids, context=context, repeats=3, pack=pack).items():
+        for name, (pack, compile_verify) in paths.items():
+            for n, t in verify_cost_curve(target, list(SIZES), layer_ids, context=context, repeats=3, pack=pack,
+                                          compiled=compile_verify).items():
                 seconds[name][n].append(t)
     return {name: {n: statistics.median(ts) for n, ts in sizes.items()} for name, sizes in seconds.items()}
 
@@ -93,7 +96,7 @@ def draft_table(drafting: dict, step: float) -> str:
 def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
     drafter = drafters.get("EAGLE 3.1", next(iter(drafters.values())))
     layer_ids = drafter.config.target_layer_ids
-    seconds = measure(target, layer_ids)
+    seconds = measure(target, layer_ids, compiled=args.compile_verify)
     config = drafter.generation_config  # the tree decoding drafts (its tuned shape), and a deep one
     shipped = drafting_width(config.tree_top_k or 10, config.tree_total_tokens or 10)
     trees = dict.fromkeys([(shipped, config.tree_depth or 6), (10, 6)])  # (drafting width, depth)
