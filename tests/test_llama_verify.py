@@ -145,3 +145,8 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = target.generate(PROMPTS[1:2], do_sample=False, max_new_tokens=40, assistant_model=drafter)
     assert len(calls) > 1 and torch.equal(again, target.generate(PROMPTS[1:2], do_sample=False, max_new_tokens=40))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, :2] = 0  # a left-padded row: a batch compiles its own graph, rows leaving it reuse that one
+    batch = target.generate(PROMPTS[2:5], attention_mask=mask, do_sample=False, max_new_tokens=20,
+                            assistant_model=drafter)
+    assert torch.equal(batch, target.generate(PROMPTS[2:5], attention_mask=mask, do_sample=False, max_new_tokens=20))
