@@ -35,7 +35,7 @@ from transformers.utils import output_capturing
 
 from hf_eagle31 import verification  # its `verify_forward` calls this module's forward (a cycle Python resolves)
 from hf_eagle31.kernels.tree_attention import grouped_attention
-from hf_eagle31.packing import product
+from hf_eagle31.packing import packed_product
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def room_for(target: PreTrainedModel, compiled: bool = False) -> CacheRoom | Non
     return CacheRoom(compiled) if fits(target) else None
 
 
-Product = tuple[int, torch.Tensor | None]  # a packed product: its `PackedGroup`'s id and bias (packing.product)
+Product = tuple[int, torch.Tensor | None]  # a packed product: its `PackedGroup`'s id and bias (packing.packed_product)
 
 
 def products(model: nn.Module) -> list[Product]:
@@ -210,20 +210,20 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tens
     # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
-    heads = product(qkv[0], x, (queries + 2 * kv) * size, qkv[1]).view(*x.shape[:-1], -1, size)
+    heads = packed_product(qkv[0], x, (queries + 2 * kv) * size, qkv[1]).view(*x.shape[:-1], -1, size)
     turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
     keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
     values[:, :, length:] = heads[:, :, queries + kv :].transpose(1, 2)
     # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window)
     out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling)
-    return product(o[0], out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, o[1])
+    return packed_product(o[0], out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, o[1])
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: Product, down: Product) -> torch.Tensor:
     width = mlp.intermediate_size
-    gate, up = product(gate_up[0], x, 2 * width, gate_up[1]).split(width, dim=-1)
-    return product(down[0], mlp.act_fn(gate) * up, mlp.hidden_size, down[1])
+    gate, up = packed_product(gate_up[0], x, 2 * width, gate_up[1]).split(width, dim=-1)
+    return packed_product(down[0], mlp.act_fn(gate) * up, mlp.hidden_size, down[1])
 
 
 def _decoder(model: nn.Module, products: list[Product], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

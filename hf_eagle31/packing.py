@@ -81,7 +81,7 @@ class PackedGroup:
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's output, side by side in the last dimension: the one product."""
-        return product(id(self), x, sum(self.sizes), self.bias)
+        return packed_product(id(self), x, sum(self.sizes), self.bias)
 
     def product(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if len(self.sizes) == 1:
@@ -104,7 +104,7 @@ _PACKED_BY_ID: dict[int, torch.Tensor] = {}  # id(group) -> its packed weight, f
 def packed_linear(x: torch.Tensor, group: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """A packed product as one opaque op, so that torch.compile traces around it (a packed weight is an
     mkldnn tensor, which it cannot trace); `group` is the `PackedGroup`'s id."""
-    return product(group, x, out_features, bias)  # run, not traced: `product`'s oneDNN call
+    return packed_product(group, x, out_features, bias)  # run, not traced: the oneDNN call
 
 
 @packed_linear.register_fake
@@ -112,7 +112,7 @@ def _(x: torch.Tensor, group: int, out_features: int, bias: torch.Tensor | None)
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def product(group: int, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(group: int, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """The packed product of the `PackedGroup` whose id is `group`: oneDNN's, or under torch.compile `packed_linear`.
     A compiled caller passes the id in as an input, so that its graph serves the next packing of the weights too."""
     if torch.compiler.is_compiling():
