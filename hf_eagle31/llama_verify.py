@@ -132,9 +132,20 @@ def fits_step(cache: Cache, plan) -> bool:
         all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
 
 
+Product = tuple[int, torch.Tensor | None]  # a packed product: its `PackedGroup`'s id and bias (packing.packed_product)
+
+
+def products(model: nn.Module) -> list[Product]:
+    """Each layer's four packed products (q/k/v, o, gate/up, down), in order: what `_decoder` multiplies by.
+    Why ids: a compiled decoder takes them as inputs, so the next call's packing (new groups) reuses its graph."""
+    return [(id(linear.packed), linear.packed.bias) for layer in model.layers[: model.config.num_hidden_layers]
+            for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
+
+
 class CacheRoom:
-    """Where one `generate` call's verify forwards grow the target's dynamic cache layers in place, and whether
-    they run compiled (`compiled_decoder`).
+    """Where one `generate` call's verify forwards grow the target's dynamic cache layers in place, the packed
+    products they multiply by (`products`: fixed while the call lasts, ~0.3 ms of module lookups to gather), and
+    whether they run compiled (`compiled_decoder`).
 
     Why: transformers' `DynamicLayer.update` concatenates, copying every cached key and value of every
     layer at every forward, a cost that grows with the context (SmolLM2-135M, fp32, 6,000 cached tokens:
@@ -148,8 +159,8 @@ class CacheRoom:
 
     MIN_ROOM = 64
 
-    def __init__(self, compiled: bool = False):
-        self.compiled = compiled
+    def __init__(self, products: list[Product], compiled: bool = False):
+        self.products, self.compiled = products, compiled
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
 
     def reserve(self, cache: Cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
@@ -190,17 +201,7 @@ def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
 def room_for(target: PreTrainedModel, compiled: bool = False) -> CacheRoom | None:
     """A fresh room where the target's verify forwards can take the lean forward (`fits`), None where they cannot:
     what decoding passes on as `lean`, and the tuner too, so it times what decoding runs."""
-    return CacheRoom(compiled) if fits(target) else None
-
-
-Product = tuple[int, torch.Tensor | None]  # a packed product: its `PackedGroup`'s id and bias (packing.packed_product)
-
-
-def products(model: nn.Module) -> list[Product]:
-    """Each layer's four packed products (q/k/v, o, gate/up, down), in order: what `_decoder` multiplies by.
-    Why ids: a compiled decoder takes them as inputs, so the next call's packing (new groups) reuses its graph."""
-    return [(id(linear.packed), linear.packed.bias) for layer in model.layers[: model.config.num_hidden_layers]
-            for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
+    return CacheRoom(products(target.model), compiled) if fits(target) else None
 
 
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
@@ -268,7 +269,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     keys, values, length = room.reserve(cache, n)
     config = model.config
     mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
-    inputs = model, products(model), x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
+    inputs = model, room.products, x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
     if room.compiled and n > 1:  # one graph for every block size, none that equal another size by chance
         try:
             with fx_config.patch(use_duck_shape=False):

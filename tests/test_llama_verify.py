@@ -29,7 +29,7 @@ def both_forwards(target, prompts, attention_mask):
             assert llama_verify.fits(target) and llama_verify.fits_step(cache, plan)
             tokens = torch.tensor([[5, 9, 17, 33, 65]]).expand(len(prompts), -1)
             positions = attention_mask.sum(-1, keepdim=True) + torch.tensor([[0, 1, 1, 2, 2]])
-            room = llama_verify.CacheRoom() if lean else None
+            room = llama_verify.room_for(target) if lean else None
             logits, features = verify_forward(target, cache, plan, tokens, positions, LAYER_IDS, lean=room)
             results.append((logits, features, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]))
     return results
@@ -105,7 +105,7 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
         cache.crop(-2)
     kept_before = caches[1].layers[0].keys  # the front of the prefix's tensor: the room must copy, not write into it
     held = kept_before.clone()
-    room = llama_verify.CacheRoom()
+    room = llama_verify.CacheRoom([])  # the cache alone: no forward, no products
     moves = 0
     for step in range(40):
         n = 1 + step % 5
