@@ -19,8 +19,9 @@ rows: 6.0 -> 3.8-4.2 ms in fp32, 4.8 -> 1.5-1.9 ms in bf16; Gemma 3's 262k-token
 and 31 -> 11-13 ms (2-core CPU). A weight shared otherwise stays as it is, and its product is taken
 transposed, `(W @ x^T)^T`, the weight's rows being the product's batch: a tall weight times a few
 columns runs at the memory's rate where a few rows times it run slowly. In fp32 MKL does that best
-for 2-4 rows and oneDNN for one row and for more than 4. Under torch.compile a packed product is an opaque op (`hf_eagle31::packed_linear`), which dynamo
-calls without tracing into the packed weight (an mkldnn tensor it cannot trace).
+for 2-4 rows and oneDNN for one row and for more than 4. Under torch.compile a packed product is an
+opaque op (`hf_eagle31::packed_linear`), which dynamo calls without tracing into the packed weight (an
+mkldnn tensor it cannot trace).
 """
 
 from __future__ import annotations
