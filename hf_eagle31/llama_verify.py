@@ -132,19 +132,17 @@ def fits_step(cache: Cache, plan) -> bool:
         all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
 
 
-Product = tuple[int, torch.Tensor | None]  # a packed product: its `PackedGroup`'s id and bias (packing.packed_product)
-
-
-def products(model: nn.Module) -> list[Product]:
-    """Each layer's four packed products (q/k/v, o, gate/up, down), in order: what `_decoder` multiplies by.
-    Why ids: a compiled decoder takes them as inputs, so the next call's packing (new groups) reuses its graph."""
-    return [(id(linear.packed), linear.packed.bias) for layer in model.layers[: model.config.num_hidden_layers]
+def product_keys(model: nn.Module) -> list[int]:
+    """Each layer's four packed products (q/k/v, o, gate/up, down), in order, as `packing.packed_product`'s keys:
+    what `_decoder` multiplies by. A key is the first member's id (`fits` checked that each projection leads its
+    product), the same at every packing, so that traced once it is a constant of the compiled graph."""
+    return [id(linear) for layer in model.layers[: model.config.num_hidden_layers]
             for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
 
 
 class CacheRoom:
     """Where one `generate` call's verify forwards grow the target's dynamic cache layers in place, the packed
-    products they multiply by (`products`: fixed while the call lasts, ~0.3 ms of module lookups to gather), and
+    products they multiply by (`product_keys`: fixed while the call lasts, ~0.3 ms of module lookups to gather), and
     whether they run compiled (`compiled_decoder`).
 
     Why: transformers' `DynamicLayer.update` concatenates, copying every cached key and value of every
@@ -159,7 +157,7 @@ class CacheRoom:
 
     MIN_ROOM = 64
 
-    def __init__(self, products: list[Product], compiled: bool = False):
+    def __init__(self, products: list[int], compiled: bool = False):
         self.products, self.compiled = products, compiled
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
 
@@ -201,37 +199,38 @@ def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
 def room_for(target: PreTrainedModel, compiled: bool = False) -> CacheRoom | None:
     """A fresh room where the target's verify forwards can take the lean forward (`fits`), None where they cannot:
     what decoding passes on as `lean`, and the tuner too, so it times what decoding runs."""
-    return CacheRoom(products(target.model), compiled) if fits(target) else None
+    return CacheRoom(product_keys(target.model), compiled) if fits(target) else None
 
 
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
-               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: Product, o: Product) -> torch.Tensor:
+               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: int, o: int) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
     # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations: 0.4-1.7 ms a forward);
     # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
-    heads = packed_product(qkv[0], x, (queries + 2 * kv) * size, qkv[1]).view(*x.shape[:-1], -1, size)
+    heads = packed_product(qkv, x, (queries + 2 * kv) * size).view(*x.shape[:-1], -1, size)
     turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
     keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
     values[:, :, length:] = heads[:, :, queries + kv :].transpose(1, 2)
     # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window)
     out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling)
-    return packed_product(o[0], out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, o[1])
+    return packed_product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size)
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: Product, down: Product) -> torch.Tensor:
+def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int) -> torch.Tensor:
     width = mlp.intermediate_size
-    gate, up = packed_product(gate_up[0], x, 2 * width, gate_up[1]).split(width, dim=-1)
-    return packed_product(down[0], mlp.act_fn(gate) * up, mlp.hidden_size, down[1])
+    gate, up = packed_product(gate_up, x, 2 * width).split(width, dim=-1)
+    return packed_product(down, mlp.act_fn(gate) * up, mlp.hidden_size)
 
 
-def _decoder(model: nn.Module, products: list[Product], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys: list[torch.Tensor], values: list[torch.Tensor], length: int, mask: torch.Tensor,
              target_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features."""
-    family = FAMILIES[type(model)]
+    """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
+    `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants)."""
+    family, products = FAMILIES[type(model)], products or product_keys(model)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         qkv, o, gate_up, down = products[4 * index : 4 * index + 4]
@@ -247,7 +246,7 @@ def _decoder(model: nn.Module, products: list[Product], x: torch.Tensor, cos: to
 @functools.cache
 def compiled_decoder() -> Callable:
     """`_decoder` compiled by inductor, for `compile_verify` (created once a process; dynamo compiles a graph per
-    target, dtype and batch size, for any block size, cache length and packing of the weights).
+    target, dtype and batch size, for any block size, cache length and packing of the weights: `product_keys`).
 
     Why: on a 2-core CPU the eager forward spends half its time between the products, in ~50 small operations a
     layer, each costlier than in a loop because the products streaming the weights evict the code and data they
@@ -269,16 +268,16 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     keys, values, length = room.reserve(cache, n)
     config = model.config
     mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
-    inputs = model, room.products, x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
+    inputs = x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
     if room.compiled and n > 1:  # one graph for every block size, none that equal another size by chance
         try:
             with fx_config.patch(use_duck_shape=False):
-                x, features = compiled_decoder()(*inputs)
+                x, features = compiled_decoder()(model, None, *inputs)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("compile_verify=True: inductor could not compile the target's verify forward "
                                f"({type(error).__name__}); install a C++ compiler (g++) or set "
                                "drafter.generation_config.compile_verify = False") from error
     else:
-        x, features = _decoder(*inputs)
+        x, features = _decoder(model, room.products, *inputs)
     room.commit(cache, length + n)
     return target.lm_head(x).float(), features

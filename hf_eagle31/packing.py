@@ -78,11 +78,12 @@ class PackedGroup:
     weight: torch.Tensor  # the members' weights stacked, packed
     bias: torch.Tensor | None
     sizes: list[int]  # each member's output features
+    key: int  # the first member's id: the same for every packing of a model, so a compiled graph can name it
     pending: tuple | None = None  # (input, its version, the outputs not yet taken)
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's output, side by side in the last dimension: the one product."""
-        return packed_product(id(self), x, sum(self.sizes), self.bias)
+        return packed_product(self.key, x, sum(self.sizes))
 
     def product(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if len(self.sizes) == 1:
@@ -98,30 +99,31 @@ class PackedGroup:
         return out
 
 
-_PACKED_BY_ID: dict[int, torch.Tensor] = {}  # id(group) -> its packed weight, for `packed_product`
+_PACKED_GROUPS: dict[int, PackedGroup] = {}  # key -> the group packed under it now, for `packed_product`
 
 # A packed product as one opaque op, so that torch.compile traces around it (a packed weight is an mkldnn tensor,
 # which it cannot trace). Defined with `torch.library.Library`, not `custom_op`: a compiled graph calls it back
 # through the dispatcher at every product, and `custom_op`'s Python layers (autograd, aliasing checks) cost ~13 us a
 # call under no_grad, 2.3 ms of a 20 ms bf16 verify forward of SmolLM2 (120 products) against ~2 us.
 _LIBRARY = torch.library.Library("hf_eagle31", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, SymInt group, SymInt out_features, Tensor? bias) -> Tensor")
-_LIBRARY.impl("packed_linear", lambda x, group, out_features, bias: packed_product(group, x, out_features, bias),
-              "CPU")
+_LIBRARY.define("packed_linear(Tensor x, SymInt key, SymInt out_features) -> Tensor")
+_LIBRARY.impl("packed_linear", lambda x, key, out_features: packed_product(key, x, out_features), "CPU")
 
 
 @torch.library.register_fake("hf_eagle31::packed_linear")
-def _(x: torch.Tensor, group: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def packed_product(group: int, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """The packed product of the `PackedGroup` whose id is `group`: oneDNN's, or under torch.compile the op
-    `hf_eagle31::packed_linear` (which runs this). A compiled caller passes the id in as an input, so that its graph
-    serves the next packing of the weights too."""
+def packed_product(key: int, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The product of the `PackedGroup` packed under `key` (its first member's id) with its bias: oneDNN's, or under
+    torch.compile the op `hf_eagle31::packed_linear` (which runs this). A key is a module's id, not the group's, so a
+    compiled graph holds it as a constant that names the weights of every later packing of the same model too (the
+    graph is guarded on the model), and its C++ wrapper takes no Python int per product."""
     if torch.compiler.is_compiling():
-        return torch.ops.hf_eagle31.packed_linear(x, group, out_features, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _PACKED_BY_ID[group], bias, "none", [], "")
+        return torch.ops.hf_eagle31.packed_linear(x, key, out_features)
+    group = _PACKED_GROUPS[key]
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), group.weight, group.bias, "none", [], "")
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -329,8 +331,8 @@ def pack_linears(model: nn.Module) -> list[nn.Module]:
             bias = members[0].bias if len(members) == 1 or members[0].bias is None else \
                 torch.cat([m.bias.detach() for m in members])
             group = PackedGroup(torch.ops.mkldnn._reorder_linear_weight(stacked, BATCH_HINT), bias,
-                                [w.shape[0] for w in weights])
-            _PACKED_BY_ID[id(group)] = group.weight
+                                [w.shape[0] for w in weights], id(members[0]))
+            _PACKED_GROUPS[group.key] = group
             for index, module in enumerate(members):
                 swapped.append(module)  # first: whatever happens to it below, unpacking undoes
                 module.packed, module.packed_member = group, index
@@ -359,7 +361,7 @@ def unpack_linears(swapped: list[nn.Module]) -> None:
         if group is not None:
             if id(group) not in dense:
                 dense[id(group)] = group.weight.to_dense().split(group.sizes)
-                _PACKED_BY_ID.pop(id(group), None)
+                _PACKED_GROUPS.pop(group.key, None)
             weight = dense[id(group)][module.packed_member]
             module.weight.data = weight if len(group.sizes) == 1 else weight.clone()  # each its own storage
             del module.packed_member
