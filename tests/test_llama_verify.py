@@ -1,5 +1,7 @@
 """The lean verify forward of a Llama target (hf_eagle31/llama_verify.py) against transformers' own forward."""
 
+import copy
+
 import pytest
 import torch
 from tiny_models import _COMMON, PROMPTS, make_target, trained_pair
@@ -150,3 +152,11 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
     batch = target.generate(PROMPTS[2:5], attention_mask=mask, do_sample=False, max_new_tokens=20,
                             assistant_model=drafter)
     assert torch.equal(batch, target.generate(PROMPTS[2:5], attention_mask=mask, do_sample=False, max_new_tokens=20))
+    # the graph names each packed product by its layer's id: another target of the class gets a graph of its own
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        for weight in other.parameters():
+            weight.add_(0.05 * torch.randn_like(weight))
+    own = other.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24)
+    assert not torch.equal(own, plain)  # the weights differ where it shows
+    assert torch.equal(other.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24, assistant_model=drafter), own)
