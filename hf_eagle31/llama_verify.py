@@ -160,6 +160,7 @@ class CacheRoom:
     def __init__(self, products: list[int], compiled: bool = False):
         self.products, self.compiled = products, compiled
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
+        self.reserved: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # the last `reserve`'s views
 
     def reserve(self, cache: Cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
         """Every layer's keys and values `[B, H, length + n, D]` in its buffers, the cache at the front, and the
@@ -173,13 +174,13 @@ class CacheRoom:
                 buffers = self.buffers[index] = (_with_room(layer.keys, room), _with_room(layer.values, room))
             keys.append(buffers[0][:, :, : length + n])
             values.append(buffers[1][:, :, : length + n])
+        self.reserved = keys, values
         return keys, values, length
 
-    def commit(self, cache: Cache, end: int) -> None:
-        """Each layer's cache is now the first `end` positions of its buffers."""
-        for index, layer in enumerate(cache.layers):
-            keys, values = self.buffers[index]
-            layer.keys, layer.values = keys[:, :, :end], values[:, :, :end]
+    def commit(self, cache: Cache) -> None:
+        """Each layer's cache is now the keys and values `reserve` handed out, the block written behind the cache."""
+        for layer, keys, values in zip(cache.layers, *self.reserved):
+            layer.keys, layer.values = keys, values
 
 
 def _front_of(entries: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -255,8 +256,22 @@ def compiled_decoder() -> Callable:
     each bf16 operation (bf16 logits eager's, or one bf16 rounding apart where a fused sum runs in another
     order); fp32 sums in another order too (SmolLM2's logits within 3e-4 of eager's, outputs the same).
     """
-    return torch.compile(_decoder, dynamic=True, fullgraph=True,
-                         options={"cpp_wrapper": True, "emulate_precision_casts": True})
+    return torch.compile(_decoder, dynamic=True, fullgraph=True, options={
+        "cpp_wrapper": True, "emulate_precision_casts": True, "guard_filter_fn": _ids_and_arguments})
+
+
+def _ids_and_arguments(guards: list) -> list[bool]:
+    """Which of dynamo's guards on `_decoder` a call checks: the ids of modules (the product keys name the model's
+    own layers, so another model of the class compiles its own graph) and every guard on the other arguments and
+    globals (dtype, batch size, layer ids, the family's functions), not the ~2,000 on the model's module tree (types,
+    attributes, parameters).
+
+    Why: checking those cost ~1 ms of a 19 ms bf16 verify forward of SmolLM2 at every call (-5%, docs/serving.md),
+    and they guard nothing a model changes under a generate call: the graph reads its structure (layer count, head
+    counts, sizes, fixed for a model) and its norms' weights, which it takes as inputs at each call.
+    """
+    return [guard.guard_type == "ID_MATCH" or not guard.orig_guard.source.is_unspecialized_nn_module()
+            for guard in guards]
 
 
 def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom, plan, tokens: torch.Tensor,
@@ -279,5 +294,5 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
                                "drafter.generation_config.compile_verify = False") from error
     else:
         x, features = _decoder(model, room.products, *inputs)
-    room.commit(cache, length + n)
+    room.commit(cache)
     return target.lm_head(x).float(), features

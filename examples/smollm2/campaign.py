@@ -17,7 +17,8 @@ vocabulary covers 87-93% of the answer tokens of fresh conversations); round 4 i
 unrolled 7 steps (EAGLE-3's) instead of 4; round 5 is round 2 with the LK-lambda loss (eta 3) instead of forward
 KL; round 7 is round 6 (round 2 again, below) with a second decoder layer stacked on each drafter, starting as
 the identity (`add_decoder_layers`), and round 8 is round 7 with that layer at a peak rate of 1e-3. Rounds 3-5, 7 and 8
-are levers, each measured against round 2 or 6 on the same batches.
+are levers, each measured against round 2 or 6 on the same batches; round 9 is round 6 on the target's own answers
+alone (round 1 took ShareGPT's alone, rounds 2 and 6 half and half).
 Every `--snapshot-every` steps both drafters are saved as a snapshot; `curve` evaluates the snapshots not
 yet measured, teacher-forced on the 48 held-out answers the target wrote (`train.py evaluate`'s measure:
 greedy tau of an 8-token chain) and live (greedy `generate` with a fixed chain of 8 on 8 held-out questions,
@@ -91,7 +92,8 @@ RUNS = {"round1": Run(3e-4, 0.0, None), "round2": Run(1e-4, 0.5, SPLIT), "round3
         "round6": Run(1e-4, 0.5, SPLIT),  # round 2 again from the shipped drafters (its state was lost with runs/),
         # its own answers now written by the bf16 target: at equal steps it measures whether they teach alike
         "round7": Run(1e-4, 0.5, SPLIT, layers=2),  # round 6 with a second decoder layer (the capacity lever)
-        "round8": Run(1e-4, 0.5, SPLIT, layers=2, stacked_lr=1e-3)}  # round 7, the new layer learning 10x faster
+        "round8": Run(1e-4, 0.5, SPLIT, layers=2, stacked_lr=1e-3),  # round 7, the new layer learning 10x faster
+        "round9": Run(1e-4, 1.0, SPLIT)}  # round 6 on the target's own answers only (the data's other end: round 1)
 
 
 def fresh_conversations() -> list:
@@ -186,7 +188,10 @@ def train(folder: Path, run_name: str, hours: float, until_step: int | None, sna
     target, _ = load_packaged_model(TARGET)
     target.requires_grad_(False).eval()
     given, own = given_batches(folder, run), SelfDistilled(OWN)
-    total = int(len(given) / (1 - run.self_distilled))  # the schedule's length: every given batch once
+    if run.self_distilled == 1:  # own answers only: every batch the distiller wrote, once (own[0] reads them all)
+        total = len(own.batches) if own[0] else 0
+    else:  # every given batch once, the own ones between them
+        total = int(len(given) / (1 - run.self_distilled))
     last, config = min(total, until_step or total), run.config()
     drafters = {name: Eagle3DraftModel.from_pretrained(HERE / name, dtype=torch.float32) for name in DRAFTERS}
     widen = [d for d in drafters.values() if run.draft_vocab > d.config.draft_vocab_size]
