@@ -376,7 +376,7 @@ def plot_curve(rows: dict[tuple[str, int], dict]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    dashes = ("-", "--", ":", "-.", (0, (1, 4)), (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (8, 2)))
+    dashes = ("-", "--", ":", "-.", (0, (1, 4)), (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (8, 2)), (0, (2, 2)))
     if len(RUNS) > len(dashes):
         raise ValueError(f"{len(RUNS)} runs and {len(dashes)} line styles: add styles to plot every run")
     start, styles = rows[("shipped", 0)], dict(zip(RUNS, dashes))
