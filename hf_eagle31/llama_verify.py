@@ -160,7 +160,6 @@ class CacheRoom:
     def __init__(self, products: list[int], compiled: bool = False):
         self.products, self.compiled = products, compiled
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
-        self.reserved: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # the last `reserve`'s views
 
     def reserve(self, cache: Cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
         """Every layer's keys and values `[B, H, length + n, D]` in its buffers, the cache at the front, and the
@@ -174,13 +173,12 @@ class CacheRoom:
                 buffers = self.buffers[index] = (_with_room(layer.keys, room), _with_room(layer.values, room))
             keys.append(buffers[0][:, :, : length + n])
             values.append(buffers[1][:, :, : length + n])
-        self.reserved = keys, values
         return keys, values, length
 
-    def commit(self, cache: Cache) -> None:
+    def commit(self, cache: Cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Each layer's cache is now the keys and values `reserve` handed out, the block written behind the cache."""
-        for layer, keys, values in zip(cache.layers, *self.reserved):
-            layer.keys, layer.values = keys, values
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
+            layer.keys, layer.values = layer_keys, layer_values
 
 
 def _front_of(entries: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -294,5 +292,5 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
                                "drafter.generation_config.compile_verify = False") from error
     else:
         x, features = _decoder(model, room.products, *inputs)
-    room.commit(cache)
+    room.commit(cache, keys, values)
     return target.lm_head(x).float(), features

@@ -116,7 +116,7 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
         pointer = caches[1].layers[0].keys.data_ptr()
         (keys,), (values,), length = room.reserve(caches[1], n)  # as the lean forward writes a block
         keys[:, :, length:], values[:, :, length:] = block
-        room.commit(caches[1])
+        room.commit(caches[1], [keys], [values])
         moves += caches[1].layers[0].keys.data_ptr() != pointer
         layer = caches[1].layers[0]
         assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
