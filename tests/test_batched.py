@@ -6,13 +6,12 @@ import copy
 
 import pytest
 import torch
-from test_sampling import ALPHA, SAMPLES, TEMPERATURE, TOP_K, exact_joint, goodness_of_fit
+from test_sampling import ALPHA, SAMPLES, TEMPERATURE, TOP_K, exact_joint, goodness_of_fit, sample_counts
 from tiny_models import PROMPTS, make_drafter, make_target, make_tokenizer, trained_pair
 from transformers import GenerationConfig, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401
-from hf_eagle31 import packed_weights
 from hf_eagle31.configuration import SPECULATION_DEFAULTS
 from hf_eagle31.bench.batching import left_padded as pad_left
 from hf_eagle31.verification import UnsupportedTargetError
@@ -181,18 +180,7 @@ def batched_samples(request):
     target, drafter = trained_pair("llama", True, speculation_mode=request.param, collapse_fallback=False)
     prompts = [PROMPTS[0].tolist(), PROMPTS[1, :4].tolist()]
     batch = left_padded(prompts)
-    counts = [{}, {}]
-    accepted = 0
-    with packed_weights(target), packed_weights(drafter):  # packed once, not in each call
-        for seed in range(SAMPLES):
-            torch.manual_seed(seed)
-            out = target.generate(**batch, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=None,
-                                  max_new_tokens=3, pad_token_id=PAD, assistant_model=drafter)
-            for row in range(2):
-                key = tuple(out[row, batch["input_ids"].shape[1]:].tolist())
-                counts[row][key] = counts[row].get(key, 0) + 1
-            stats = drafter.speculation_stats
-            accepted += stats.speculative_tokens - stats.speculative_forwards
+    counts, accepted = sample_counts(target, drafter, batch, TEMPERATURE, TOP_K, pad_token_id=PAD)
     return target, accepted, [torch.tensor([p]) for p in prompts], counts
 
 

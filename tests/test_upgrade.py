@@ -81,7 +81,7 @@ def test_switch_on_eagle31_keeps_weights_and_refuses_3_1(target):
 
 @pytest.mark.slow
 def test_upgrade_after_fine_tune_raises_acceptance(target, sequences, tmp_path):
-    # tune_prompts=0: tuning the shape (test_training's business) took 280 of this test's 290 s
+    # tune_prompts=0: tuning the shape (test_train_command_end_to_end's business) took 280 of this test's 290 s
     original = train_drafter(target, records(sequences[:32]), tmp_path / "eagle3", arch="eagle3", steps=30, lr=1e-2,
                              batch_size=8, save_every=1000, tune_prompts=0)
     tuned, reports = upgrade_drafter(original, target, records(sequences), tmp_path / "eagle31", held_out=16,
