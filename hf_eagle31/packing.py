@@ -127,7 +127,9 @@ def packed_product(key: int, x: torch.Tensor, out_features: int) -> torch.Tensor
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    group, member = self.packed, self.packed_member
+    group, member = vars(self).get("packed"), vars(self).get("packed_member")
+    if group is None or member is None:  # unpacked by another thread while an "exact" call (which holds no
+        return F.linear(x, self.weight, self.bias)  # packing) was on its way here: the weight is back by then
     if torch.compiler.is_compiling():  # each member takes its slice of the whole product (dynamo traces no `pending`)
         return group.whole(x).split(group.sizes, dim=-1)[member]
     if exact_mode_active():  # a concurrent "exact" call on this target computes on the plain weight
@@ -232,21 +234,24 @@ class _RowsFromPacked(TorchFunctionMode):
     """Inside an embedding's forward: `F.embedding` of its (packed-out) weight gathers from the packed memory.
     A mode rather than a new forward, so subclasses that scale or pad around `nn.Embedding.forward` keep working."""
 
-    def __init__(self, embedding: nn.Embedding):
+    def __init__(self, embedding: nn.Embedding, rows: PackedRows):
         super().__init__()
-        self.embedding = embedding
+        self.embedding, self.rows = embedding, rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.embedding and (args[1] if len(args) > 1 else kwargs.get("weight")) is self.embedding.weight:
-            return self.embedding.packed_rows(args[0] if args else kwargs["input"])
+            return self.rows(args[0] if args else kwargs["input"])
         return func(*args, **kwargs)
 
 
 def _rows_forward(self: nn.Embedding, *args, **kwargs) -> torch.Tensor:
+    rows = vars(self).get("packed_rows")
+    if rows is None:  # unpacked by another thread meanwhile (see `_packed_forward`): the weight is back
+        return type(self).forward(self, *args, **kwargs)
     if type(self).forward is nn.Embedding.forward:  # a plain embedding: its rows, without the mode's ~30 us
-        return self.packed_rows(args[0] if args else kwargs["input"])
-    with _RowsFromPacked(self):
+        return rows(args[0] if args else kwargs["input"])
+    with _RowsFromPacked(self, rows):
         return type(self).forward(self, *args, **kwargs)
 
 
@@ -357,16 +362,16 @@ def unpack_linears(swapped: list[nn.Module]) -> None:
     """Give each layer its own weight back, reordered from the packed copy (the same values bit for bit)."""
     dense = {}  # id(group) -> its members' weights
     for module in swapped:
-        group = vars(module).pop("packed", None)
+        vars(module).pop("forward", None)
+        group = vars(module).get("packed")
         if group is not None:
             if id(group) not in dense:
                 dense[id(group)] = group.weight.to_dense().split(group.sizes)
                 _PACKED_GROUPS.pop(group.key, None)
             weight = dense[id(group)][module.packed_member]
             module.weight.data = weight if len(group.sizes) == 1 else weight.clone()  # each its own storage
-            del module.packed_member
+            del module.packed, module.packed_member  # after the weight is back: a call on its way falls back to it
         vars(module).pop("packed_rows", None)
-        vars(module).pop("forward", None)
 
 
 def _refuse_state_dict(module: nn.Module, *_) -> None:

@@ -39,6 +39,18 @@ def test_packed_forward_matches_the_default_path_and_unpacking_restores_every_bi
     assert torch.equal(target(PROMPTS[:2]).logits, reference)
 
 
+def test_a_call_on_its_way_when_another_thread_unpacks_runs_on_the_restored_weights():
+    """An "exact" call holds no packing: the last packed call in another thread may unpack the target between
+    the exact call's dispatch to a packed forward and its read of the packed weight (seen in CI as an AttributeError)."""
+    target = tied_model()
+    linear, embedding = target.model.layers[0].mlp.up_proj, target.get_input_embeddings()
+    x, ids = torch.randn(2, linear.in_features), PROMPTS[:2]
+    with packed_weights(target):
+        linear_forward, embedding_forward = linear.forward, embedding.forward  # the packed ones, already bound
+    assert torch.equal(linear_forward(x), torch.nn.functional.linear(x, linear.weight))
+    assert torch.equal(embedding_forward(ids), embedding.weight[ids])
+
+
 def test_siblings_are_one_product_and_each_takes_its_own_output():
     """q/k/v and gate/up are packed stacked: the first called computes all, the others take theirs; called with
     another input, or the same one changed in place since, a sibling computes again."""
