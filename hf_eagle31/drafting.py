@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import StaticLayer
 
@@ -50,6 +51,7 @@ class DrafterState:
         device = drafter.fc.weight.device
         self.key_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real entries per row
+        self.holes = False  # whether `key_mask` hides any entry (a row fed fewer than the longest, or a row left since)
         self._features: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
         self._tokens: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
 
@@ -69,7 +71,7 @@ class DrafterState:
     def visible(self, tail: torch.Tensor) -> torch.Tensor:
         """The drafter's `tail_mask` for queries that see `tail` `[n, m]` or `[B, n, m]` over the entries
         drafted since `catch_up`, and every real cached entry before them."""
-        if bool(self.key_mask.all()):
+        if not self.holes:
             return tail
         batch, n = self.key_mask.shape[0], tail.shape[-2]
         past = self.key_mask[:, None, :].expand(batch, n, -1)
@@ -77,29 +79,37 @@ class DrafterState:
 
     @torch.no_grad()
     def catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the queued features; return each row's last fed-back state `[B, 1, H]` and draft logits `[B, 1, V_d]`."""
+        """Feed the queued features; return each row's last fed-back state `[B, 1, H]` and draft logits `[B, 1, V_d]`.
+
+        Rows that queued as many as the longest (a batch of one always) leave no holes: then no mask is built and
+        only the last position's logits are computed, Python counting what it can (~0.2 ms of a 6 ms draft tree
+        of SmolLM2's drafter on 2 threads went to those tensors)."""
         truncate_cache(self.cache, self.length)
         self.key_mask = self.key_mask[:, : self.length]
-        counts = torch.tensor([sum(f.shape[0] for f in queue) for queue in self._features], device=self.positions.device)
-        n = int(counts.max())
-        width = next(queue[0].shape[-1] for queue in self._features if queue)
-        features = self.drafter.fc.weight.new_zeros(len(counts), n, width)
-        tokens = torch.zeros(len(counts), n, dtype=torch.long, device=self.positions.device)
-        for row, (queue, ids) in enumerate(zip(self._features, self._tokens)):
-            if queue:
-                features[row, : counts[row]] = torch.cat(queue)
-                tokens[row, : counts[row]] = torch.cat(ids)
+        counts = [sum(f.shape[0] for f in queue) for queue in self._features]
+        n, batch = max(counts), len(counts)
+        features = pad_sequence([torch.cat(queue) for queue in self._features], batch_first=True)
+        tokens = pad_sequence([torch.cat(queue) for queue in self._tokens], batch_first=True)
         self._features, self._tokens = [[] for _ in counts], [[] for _ in counts]
-        real = torch.arange(n, device=counts.device) < counts[:, None]
-        causal = torch.ones(n, n, dtype=torch.bool, device=counts.device).tril()
-        tail = None if bool(real.all()) and bool(self.key_mask.all()) else self.visible(causal & real[:, None, :])
-        positions = self.positions[:, None] + torch.arange(n, device=counts.device)
+        positions = self.positions[:, None] + torch.arange(n, device=self.positions.device)
+        if min(counts) == n:
+            tail = self.visible(torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()) if self.holes else None
+            out = self.drafter(tokens, features, positions, self.cache, tail, logits_to_keep=1)
+            self.key_mask = torch.cat([self.key_mask, self.key_mask.new_ones(batch, n)], dim=1)
+            self.length += n
+            self.positions += n
+            return out.hidden_states[:, -1:], out.logits
+        lengths = torch.tensor(counts, device=positions.device)
+        real = torch.arange(n, device=positions.device) < lengths[:, None]
+        causal = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
         last = torch.zeros_like(real)
-        last[torch.arange(len(counts)), counts - 1] = True
-        out = self.drafter(tokens, features, positions, self.cache, tail, logits_at=last)
+        last[torch.arange(batch), lengths - 1] = True
+        out = self.drafter(tokens, features, positions, self.cache, self.visible(causal & real[:, None, :]),
+                           logits_at=last)
+        self.holes = True
         self.key_mask = torch.cat([self.key_mask, real], dim=1)
         self.length += n
-        self.positions += counts
+        self.positions += lengths
         return out.hidden_states[last][:, None], out.logits[:, None]
 
 

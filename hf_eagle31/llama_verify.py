@@ -35,7 +35,7 @@ from transformers.utils import output_capturing
 
 from hf_eagle31 import verification  # its `verify_forward` calls this module's forward (a cycle Python resolves)
 from hf_eagle31.kernels.tree_attention import grouped_attention
-from hf_eagle31.packing import packed_product
+from hf_eagle31.packing import one_product, packed_product
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,6 @@ def _quiet(module: nn.Module) -> bool:
     return _no_hooks(module) and "forward" not in vars(module)
 
 
-def _one_product(*members: nn.Linear) -> bool:
-    """Whether `members` are packed as one product (packing.py's `PackedGroup`), in this order."""
-    group = getattr(members[0], "packed", None)
-    return group is not None and len(group.sizes) == len(members) and all(
-        getattr(member, "packed", None) is group and member.packed_member == index
-        for index, member in enumerate(members))
-
-
 def _window(attention: nn.Module) -> int | None:
     """The sliding window the layer's attention passes on (Qwen2 sets it per layer, Mistral for all)."""
     return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
@@ -98,8 +90,8 @@ def _fits_layer(layer: nn.Module, family: Family) -> bool:
         return False
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
-    return (_one_product(attention.q_proj, attention.k_proj, attention.v_proj) and _one_product(attention.o_proj) and
-            _one_product(mlp.gate_proj, mlp.up_proj) and _one_product(mlp.down_proj) and
+    return (one_product(attention.q_proj, attention.k_proj, attention.v_proj) and one_product(attention.o_proj) and
+            one_product(mlp.gate_proj, mlp.up_proj) and one_product(mlp.down_proj) and
             all(map(_no_hooks, projections)) and
             all(map(_quiet, (layer, attention, mlp, layer.input_layernorm, layer.post_attention_layernorm,
                              mlp.act_fn))))

@@ -31,12 +31,13 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
+    rotate_half,
 )
 from transformers.utils import ModelOutput
 
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config, safeailab_tree_settings
 from hf_eagle31.kernels.tree_attention import tree_attention
+from hf_eagle31.packing import sibling_products
 
 
 @dataclass
@@ -74,15 +75,24 @@ class Eagle3Attention(nn.Module):
         tail_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, length = hidden_states.shape[:2]
-        shape = (batch, length, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        heads = sibling_products(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        heads = heads.view(batch, length, -1, self.head_dim)  # [B, n, queries + keys + values, D]
+        queries = self.q_proj.out_features // self.head_dim
+        cos, sin = (part.unsqueeze(2) for part in position_embeddings)
+        rotated = heads[:, :, : queries + self.k_proj.out_features // self.head_dim]
+        rotated = rotated * cos + rotate_half(rotated) * sin  # queries and keys turned at once (transformers' formula)
+        query, key = rotated[:, :, :queries].transpose(1, 2), rotated[:, :, queries:].transpose(1, 2)
+        value = heads[:, :, rotated.shape[2] :].transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         out = tree_attention(query, key, value, tail_mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def gated_mlp(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+    """`mlp(x)` with its gate and up projections as one product where they are packed so (`sibling_products`)."""
+    gate, up = sibling_products(x, mlp.gate_proj, mlp.up_proj).split(mlp.intermediate_size, dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -110,7 +120,7 @@ class Eagle3DecoderLayer(nn.Module):
         residual = normed if self.norm_before_residual else features
         attn_in = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         hidden = residual + self.self_attn(attn_in, position_embeddings, past_key_values, tail_mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden))
 
 
 class StackedDecoderLayer(nn.Module):
@@ -133,7 +143,7 @@ class StackedDecoderLayer(nn.Module):
         tail_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_embeddings, past_key_values, tail_mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden))
 
 
 class Eagle3DraftModel(PreTrainedModel):
@@ -168,6 +178,7 @@ class Eagle3DraftModel(PreTrainedModel):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self._target_embedding: list[nn.Embedding] = []  # a plain list: shared, never registered or saved
+        self._rotary_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # `rotary_at`'s, never saved
         self.generation_config = GenerationConfig(**SPECULATION_DEFAULTS)  # how generate() speculates
         self.post_init()
 
@@ -263,6 +274,24 @@ class Eagle3DraftModel(PreTrainedModel):
 
     # --- one draft step ---------------------------------------------------------------------
 
+    def rotary_at(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin at `position_ids` in `like`'s dtype; on a CPU, rows of a table of them
+        that it computed once for positions 0..L-1 (grown by doubling): the same numbers, each being one position
+        times one frequency. Why: computing them at each draft level took ~10 of the ~60 small operations of a bf16
+        level outside its products (SmolLM2's drafter, 2 threads). Types that change with the length (dynamic,
+        longrope) compute them at each call, and so does CUDA (sizing the table would wait for the device)."""
+        rotary = self.rotary_emb
+        if like.device.type != "cpu" or "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
+            return rotary(like, position_ids)
+        key = (like.dtype, rotary.inv_freq.data_ptr())
+        cos, sin = self._rotary_tables.get(key, (like.new_empty(0, 0), None))
+        needed = int(position_ids.max()) + 1
+        if cos.shape[0] < needed:
+            length = max(needed, 2 * cos.shape[0], 256)
+            cos, sin = (part[0] for part in rotary(like, torch.arange(length, device=like.device)[None]))
+            self._rotary_tables[key] = cos, sin
+        return cos[position_ids], sin[position_ids]
+
     def project_target_features(self, features: torch.Tensor) -> torch.Tensor:
         """Fuse the captured target states (concatenated, width n*H_t) into one drafter state."""
         if self.input_norm is not None:
@@ -316,7 +345,7 @@ class Eagle3DraftModel(PreTrainedModel):
             start = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
         embeds = embedding(input_ids).to(hidden_states.dtype)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        position_embeddings = self.rotary_at(hidden_states, position_ids)
         hidden = self.midlayer(embeds, hidden_states, position_embeddings, past_key_values, tail_mask)
         for layer in self.layers.values():
             hidden = layer(hidden, position_embeddings, past_key_values, tail_mask)

@@ -70,6 +70,19 @@ def test_draft_step_matches_the_spec(fc_norm, norm_output, layers):
         torch.testing.assert_close(again.logits, reference_draft_step(drafter, ids, out.hidden_states)[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_rows_equal_the_rotary_embedding_at_every_position(dtype):
+    """`rotary_at` reads rows of a table it grows as positions pass its end; each row must be what the rotary
+    embedding computes for that position alone, bit for bit, in each dtype (a table per dtype)."""
+    drafter = make_drafter(make_target("llama"), eagle31=True)
+    like = torch.zeros(1, 1, drafter.config.hidden_size, dtype=dtype)
+    for positions in ([[0, 1, 2]], [[255, 256, 700]], [[3000, 5, 4999]], [[7, 7, 8]]):  # grows twice, then reads
+        positions = torch.tensor(positions)
+        expected = drafter.rotary_emb(like, positions)
+        got = drafter.rotary_at(like, positions)
+        assert all(g.dtype == dtype and torch.equal(g, e) for g, e in zip(got, expected))
+
+
 def test_fc_norm_is_three_separate_norms_not_one():
     target = make_target("llama")
     drafter = make_drafter(target, eagle31=True)

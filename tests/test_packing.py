@@ -7,6 +7,7 @@ from tiny_models import PROMPTS, make_target, trained_pair
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
+from hf_eagle31 import packing
 from hf_eagle31.packing import (
     BATCH_HINT,
     _memory_of,
@@ -16,6 +17,10 @@ from hf_eagle31.packing import (
     packed_weights,
     unpack_linears,
 )
+
+from hf_eagle31.training.capacity import add_decoder_layers
+
+original = packing.packed_product
 
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 
@@ -143,6 +148,31 @@ def test_a_weight_tied_to_more_than_an_embedding_stays_as_it_is_and_computes_the
     assert torch.allclose(model(ids).logits, reference, atol=1e-5, rtol=1e-4)  # the head multiplied transposed
     unpack_linears(swapped)
     assert "forward" not in vars(model.lm_head) and torch.equal(model(ids).logits, reference)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_packed_drafter_computes_its_default_path_with_one_product_per_sibling_group(layers, monkeypatch):
+    """The drafter takes q/k/v and gate/up as one product each (`sibling_products`), and a hook on a projection
+    sends that group back to the module calls, which the hook then sees."""
+    target, drafter = trained_pair("llama", eagle31=True)
+    if layers > 1:
+        add_decoder_layers(drafter, layers)
+    ids, features = PROMPTS[:2, :6], torch.randn(2, 6, 3 * target.config.hidden_size)
+    with torch.no_grad():
+        reference = drafter(ids, features)
+        products = []
+        monkeypatch.setattr(packing, "packed_product", lambda key, x, n: products.append(n) or original(key, x, n))
+        with packed_weights(drafter):
+            packed = drafter(ids, features)
+            assert len(products) == 2 + 4 * layers  # fc, the head; q/k/v, o, gate/up, down in each layer
+            seen = []
+            hook = drafter.midlayer.self_attn.k_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+            hooked = drafter(ids, features)
+            hook.remove()
+    torch.testing.assert_close(packed.logits, reference.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(packed.hidden_states, reference.hidden_states, atol=1e-4, rtol=1e-4)
+    assert seen == [torch.Size([2, 6, drafter.midlayer.self_attn.k_proj.out_features])]
+    torch.testing.assert_close(hooked.logits, reference.logits, atol=1e-4, rtol=1e-4)
 
 
 def test_an_eagle_call_leaves_the_target_as_it_found_it():
