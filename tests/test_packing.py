@@ -1,6 +1,8 @@
 """Packed weights (hf_eagle31/packing.py): the target holds oneDNN's packed copy only while EAGLE decodes,
 computes what torch's default path computes, and gets its own weights back bit for bit."""
 
+import copy
+
 import pytest
 import torch
 from tiny_models import PROMPTS, make_target, trained_pair
@@ -155,8 +157,8 @@ def test_a_packed_drafter_computes_its_default_path_with_one_product_per_sibling
     """The drafter takes q/k/v and gate/up as one product each (`sibling_products`), and a hook on a projection
     sends that group back to the module calls, which the hook then sees."""
     target, drafter = trained_pair("llama", eagle31=True)
-    if layers > 1:
-        add_decoder_layers(drafter, layers)
+    drafter = copy.deepcopy(drafter)  # the fitted pair is shared by the tests: grow a copy
+    add_decoder_layers(drafter, layers)
     ids, features = PROMPTS[:2, :6], torch.randn(2, 6, 3 * target.config.hidden_size)
     with torch.no_grad():
         reference = drafter(ids, features)
