@@ -51,7 +51,7 @@ class DrafterState:
         device = drafter.fc.weight.device
         self.key_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real entries per row
-        self.holes = False  # whether `key_mask` hides any entry (a row fed fewer than the longest, or a row left since)
+        self.holes = False  # whether `key_mask` may hide an entry: set by a catch-up where a row fed fewer than the longest
         self._features: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
         self._tokens: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
 
