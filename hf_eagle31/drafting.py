@@ -51,7 +51,7 @@ class DrafterState:
         device = drafter.fc.weight.device
         self.key_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real entries per row
-        self.holes = False  # whether `key_mask` may hide an entry: set by a catch-up where a row fed fewer than the longest
+        self.holes = False  # whether `key_mask` may hide an entry: set by a catch-up where a row fed less than another
         self._features: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
         self._tokens: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
 
@@ -93,7 +93,8 @@ class DrafterState:
         self._features, self._tokens = [[] for _ in counts], [[] for _ in counts]
         positions = self.positions[:, None] + torch.arange(n, device=self.positions.device)
         if min(counts) == n:
-            tail = self.visible(torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()) if self.holes else None
+            causal = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
+            tail = self.visible(causal) if self.holes else None
             out = self.drafter(tokens, features, positions, self.cache, tail, logits_to_keep=1)
             self.key_mask = torch.cat([self.key_mask, self.key_mask.new_ones(batch, n)], dim=1)
             self.length += n

@@ -155,7 +155,8 @@ def sibling_products(x: torch.Tensor, *members: nn.Linear) -> torch.Tensor:
     drafter on 2 threads); else each layer's own call (hooks, adapters and all), concatenated.
     """
     group = one_product(*members)
-    if group is None or verification.exact_mode_active() or any(m._forward_hooks or m._forward_pre_hooks for m in members):
+    hooked = any(member._forward_hooks or member._forward_pre_hooks for member in members)
+    if group is None or hooked or verification.exact_mode_active():
         return torch.cat([member(x) for member in members], dim=-1)
     return group.whole(x)
 
