@@ -27,6 +27,7 @@ mkldnn tensor it cannot trace).
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import threading
@@ -82,8 +83,11 @@ class PackedGroup:
     pending: tuple | None = None  # (input, its version, the outputs not yet taken)
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
-        """Every member's output, side by side in the last dimension: the one product."""
-        return packed_product(self.key, x, sum(self.sizes))
+        """Every member's output, side by side in the last dimension: the one product. Eager calls take it with the
+        group's own weight, not through `packed_product`'s key: another thread may unpack the model meanwhile."""
+        if torch.compiler.is_compiling():
+            return packed_product(self.key, x, sum(self.sizes))
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
     def product(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if len(self.sizes) == 1:
@@ -116,14 +120,13 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 
 def packed_product(key: int, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The product of the `PackedGroup` packed under `key` (its first member's id) with its bias: oneDNN's, or under
-    torch.compile the op `hf_eagle31::packed_linear` (which runs this). A key is a module's id, not the group's, so a
-    compiled graph holds it as a constant that names the weights of every later packing of the same model too (the
-    graph is guarded on the model), and its C++ wrapper takes no Python int per product."""
+    """The product of the `PackedGroup` packed under `key` (its first member's id), under torch.compile the op
+    `hf_eagle31::packed_linear` (which runs this). A key is a module's id, not the group's, so a compiled graph holds
+    it as a constant that names the weights of every later packing of the same model too (the graph is guarded on the
+    model), and its C++ wrapper takes no Python int per product."""
     if torch.compiler.is_compiling():
         return torch.ops.hf_eagle31.packed_linear(x, key, out_features)
-    group = _PACKED_GROUPS[key]
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), group.weight, group.bias, "none", [], "")
+    return _PACKED_GROUPS[key].whole(x)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -330,12 +333,22 @@ def _groups(model: nn.Module, shared: set[int], heads: set[int]) -> list[list[nn
     return groups + [[m] for m in model.modules() if packable(m) and id(m) not in grouped]
 
 
+def _nan_like(weight: torch.Tensor) -> torch.Tensor:
+    return torch.full((), float("nan"), dtype=weight.dtype).expand(weight.shape)
+
+
 def _serve_rows(embedding: nn.Embedding, head: nn.Linear, expected: torch.Tensor, probe: torch.Tensor) -> bool:
-    """Let the embedding look its rows up in the packed head; whether it then returns what it did before packing
-    (an embedding that reads its weight other than through `F.embedding` would read the NaN stand-in)."""
-    embedding.packed_rows = PackedRows(head.packed.weight)
+    """Let the embedding look its rows up in the packed head where that returns what it did before packing; whether
+    it does. Tried on a copy whose weight is the NaN stand-in (an embedding that reads its weight other than through
+    `F.embedding` gives NaN), so that calls in other threads meanwhile find the embedding as it was."""
+    rows, trial = PackedRows(head.packed.weight), copy.copy(embedding)
+    trial._parameters = {**embedding._parameters, "weight": _nan_like(embedding.weight)}
+    trial.packed_rows = rows
+    if not torch.equal(_rows_forward(trial, probe), expected):
+        return False
+    embedding.packed_rows = rows
     embedding.forward = types.MethodType(_rows_forward, embedding)
-    return torch.equal(embedding.forward(probe), expected)
+    return True
 
 
 @torch.inference_mode(False)  # a `generate` under inference mode must leave ordinary weights behind
@@ -365,15 +378,16 @@ def pack_linears(model: nn.Module) -> list[nn.Module]:
             for index, module in enumerate(members):
                 swapped.append(module)  # first: whatever happens to it below, unpacking undoes
                 module.packed, module.packed_member = group, index
-                # the storage goes; a NaN of the same shape stands in: a read that bypasses forward cannot pass unnoticed
-                module.weight.data = torch.full((), float("nan"), dtype=module.weight.dtype).expand(module.weight.shape)
                 module.forward = types.MethodType(_packed_forward, module)
-        for head in (m for m in model.modules() if id(m) in ties):
-            embedding, probe, expected = ties[id(head)]
-            swapped.append(embedding)
-            if not _serve_rows(embedding, head, expected, probe):
-                unpack_linears([head, embedding])  # back to the head's own weight, multiplied transposed
-                head.forward = types.MethodType(_transposed_forward, head)
+            for head in (m for m in members if id(m) in ties):
+                embedding, probe, expected = ties[id(head)]
+                swapped.append(embedding)
+                if not _serve_rows(embedding, head, expected, probe):
+                    unpack_linears([head])  # back to the head's own weight, multiplied transposed
+                    head.forward = types.MethodType(_transposed_forward, head)
+            for module in members:  # the storage goes once no forward reads it (calls in other threads go on);
+                if vars(module).get("packed") is group:  # a NaN of its shape stands in: a read that bypasses
+                    module.weight.data = _nan_like(module.weight)  # forward cannot pass unnoticed
     except BaseException:
         unpack_linears(swapped)
         raise
@@ -385,8 +399,7 @@ def pack_linears(model: nn.Module) -> list[nn.Module]:
 def unpack_linears(swapped: list[nn.Module]) -> None:
     """Give each layer its own weight back, reordered from the packed copy (the same values bit for bit)."""
     dense = {}  # id(group) -> its members' weights
-    for module in swapped:
-        vars(module).pop("forward", None)
+    for module in swapped:  # the weight back before the forward: calls in other threads meanwhile read one of them
         group = vars(module).get("packed")
         if group is not None:
             if id(group) not in dense:
@@ -394,7 +407,8 @@ def unpack_linears(swapped: list[nn.Module]) -> None:
                 _PACKED_GROUPS.pop(group.key, None)
             weight = dense[id(group)][module.packed_member]
             module.weight.data = weight if len(group.sizes) == 1 else weight.clone()  # each its own storage
-            del module.packed, module.packed_member  # after the weight is back: a call on its way falls back to it
+            del module.packed, module.packed_member
+        vars(module).pop("forward", None)
         vars(module).pop("packed_rows", None)
 
 

@@ -2,6 +2,8 @@
 computes what torch's default path computes, and gets its own weights back bit for bit."""
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from hf_eagle31.packing import (
 
 from hf_eagle31.training.capacity import add_decoder_layers
 
-original = packing.packed_product
+original = packing.PackedGroup.whole
 
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 
@@ -56,6 +58,32 @@ def test_a_call_on_its_way_when_another_thread_unpacks_runs_on_the_restored_weig
         linear_forward, embedding_forward = linear.forward, embedding.forward  # the packed ones, already bound
     assert torch.equal(linear_forward(x), torch.nn.functional.linear(x, linear.weight))
     assert torch.equal(embedding_forward(ids), embedding.weight[ids])
+
+
+def test_forwards_in_another_thread_while_the_model_is_packed_and_unpacked_over_and_over_are_unchanged():
+    """A web service's threads: plain calls beside EAGLE calls that pack and unpack the target under them. Each
+    weight comes back before its forward goes and goes after its forward came (seen in CI as NaN logits, token 0)."""
+    target, ids = tied_model(), PROMPTS[:1]
+    reference, stop, forwards, problems = target(ids).logits, threading.Event(), [], []
+
+    def pack_and_unpack():
+        while not stop.is_set():
+            with packed_weights(target):
+                pass
+
+    packer = threading.Thread(target=pack_and_unpack)
+    packer.start()
+    try:
+        start = time.perf_counter()
+        while time.perf_counter() - start < 2:
+            try:
+                forwards.append(torch.allclose(target(ids).logits, reference, atol=1e-4, rtol=1e-4))
+            except Exception as error:  # noqa: BLE001  (a group unpacked under the call)
+                problems.append(repr(error))
+    finally:
+        stop.set()
+        packer.join()
+    assert problems == [] and all(forwards) and len(forwards) > 20
 
 
 def test_siblings_are_one_product_and_each_takes_its_own_output():
@@ -163,7 +191,7 @@ def test_a_packed_drafter_computes_its_default_path_with_one_product_per_sibling
     with torch.no_grad():
         reference = drafter(ids, features)
         products = []
-        monkeypatch.setattr(packing, "packed_product", lambda key, x, n: products.append(n) or original(key, x, n))
+        monkeypatch.setattr(packing.PackedGroup, "whole", lambda group, x: products.append(x) or original(group, x))
         with packed_weights(drafter):
             packed = drafter(ids, features)
             assert len(products) == 2 + 4 * layers  # fc, the head; q/k/v, o, gate/up, down in each layer
