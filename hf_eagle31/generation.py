@@ -362,7 +362,8 @@ def install() -> None:
             speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
         pack = packs_weights(drafter)  # a compiled forward calls the packed products as opaque ops (packing.py)
         with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
-            speculation.lean = llama_verify.room_for(self, compiles_verify(drafter))
+            # the lean forward multiplies by this call's packing (another thread's may go while this call runs)
+            speculation.lean = llama_verify.room_for(self, compiles_verify(drafter)) if pack else None
             return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
 
     @functools.wraps(extract)

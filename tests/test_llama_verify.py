@@ -95,6 +95,20 @@ def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypat
     assert calls and torch.equal(eagle, plain)
 
 
+def test_a_call_that_packs_nothing_takes_no_lean_forward_while_another_holds_the_packing(monkeypatch):
+    """The lean forward multiplies by the packed products of its call's own packing: a call with `pack_weights`
+    off, beside another thread's call that packed the target, would find them gone when that one unpacks."""
+    target, drafter = trained_pair("llama", tree_depth=3, tree_top_k=3, tree_total_tokens=6)
+    unpacked = copy.deepcopy(drafter)
+    unpacked.set_target_embedding(target.get_input_embeddings())
+    unpacked.generation_config.pack_weights = False
+    monkeypatch.setattr(llama_verify, "llama_verify_forward", lambda *args: pytest.fail("took the lean forward"))
+    plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24)
+    with packed_weights(target):  # the other thread's packing
+        eagle = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24, assistant_model=unpacked)
+    assert torch.equal(eagle, plain)
+
+
 def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it():
     """Blocks appended, rolled back, compacted, a row leaving: the room's cache holds what transformers' holds,
     grows in place between buffers, and never writes into a tensor handed out before the room was made."""
