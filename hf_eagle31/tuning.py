@@ -7,14 +7,20 @@ per draft tree, and the acceptance the drafter actually achieves, then predicts
 
     speedup(draft shape) = tau(shape) * t_plain / (t_verify(shape) + t_draft(shape))
 
-where t_plain is one step of plain decoding, on the target's own weights (verification may run on
-packed ones, packing.py, which make even a one-token forward cheaper than plain decoding's).
+where t_plain is one step of plain decoding on the target's own weights (torch's default path),
 
 for every candidate shape and picks the best. Candidates come in families of one `top_k` (1 is
 a chain). One calibration run per family with its largest shape is enough: a tree's nodes carry
 their score rank, and the best n ranks are exactly the tree a smaller `tree_total_tokens` would
 have kept (see `drafting._select_tree`), so each step's accepted path can be re-scored for every
 smaller shape of the family.
+
+Verification may run on packed weights (packing.py), and whether that pays depends on the CPU: on
+the 2-core AMD EPYC a packed fp32 forward of up to 16 tokens cost less than a plain step; on a
+2-core Intel Xeon with AMX it costs 1.09-1.55 plain steps for 1-16 tokens in fp32, where torch's
+own path costs 1.00-1.09 up to 3 tokens (and packed bf16 0.67-0.81). Packing also costs each call
+~0.3 s for SmolLM2 in fp32. So tuning measures both paths, spreads a call's packing over
+`CALL_TOKENS` tokens, and stores the faster path (`pack_weights`) with its shapes.
 """
 
 from __future__ import annotations
@@ -31,20 +37,21 @@ from transformers import DynamicCache, PreTrainedModel
 from hf_eagle31 import llama_verify
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
 from hf_eagle31.generation import (
-    compiles_verify,
     drafting_dtype,
     eagle_verification,
     packs_weights,
     prepare_drafter,
+    speculation_setting,
     verify_mode,
 )
 from hf_eagle31.modeling import Eagle3DraftModel
-from hf_eagle31.packing import packed_weights
+from hf_eagle31.packing import can_pack, packed_weights
 from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
 SAMPLING_TEMPERATURE = 1.0  # the temperature `sampling_shape` is calibrated at; it serves every sampling call
 TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain step, drafts in turn); each keeps its best
+CALL_TOKENS = 256  # new tokens of a typical call: what packing the weights once a call is spread over
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -136,21 +143,40 @@ def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int =
     return _best_of(one_tree, repeats)
 
 
+def verify_paths(target: PreTrainedModel, drafter: Eagle3DraftModel) -> tuple[bool, ...]:
+    """The verify paths tuning compares, as `pack_weights` values: packed weights where the target can have them
+    (not under "exact" verification, which computes on the plain ones), and torch's default path."""
+    return (True, False) if can_pack(target) and verify_mode(drafter) != "exact" else (False,)
+
+
+@torch.no_grad()
+def packing_cost(target: PreTrainedModel, drafter: Eagle3DraftModel, repeats: int = 3) -> float:
+    """Seconds a call spends packing the target's and the drafter's weights and giving them back (packing.py)."""
+    def pack_and_unpack():
+        with packed_weights(target), packed_weights(drafter):
+            pass
+
+    pack_and_unpack()  # warm-up: the layouts a tied head's rows are read through are probed once a process
+    return _best_of(pack_and_unpack, repeats)
+
+
 BATCH_SIZES = (2, 4, 8, 16)
 BATCH_BLOCK_SIZES = (*range(1, 10), 12, 16)  # tokens per row of a batched verify block, the root included
 
 
 @torch.no_grad()
 def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list[int], max_depth: int,
-                batch_sizes: tuple[int, ...] = BATCH_SIZES, context: int = 256, repeats: int = 3) -> dict:
-    """Seconds per batched verify forward (B rows of n tokens) and per batched draft, run as batched decoding runs them.
+                batch_sizes: tuple[int, ...] = BATCH_SIZES, context: int = 256, repeats: int = 3,
+                pack: bool | None = None) -> dict:
+    """Seconds per batched verify forward (B rows of n tokens) and per batched draft, run as batched decoding runs them,
+    on packed weights if `pack` (None: as the drafter's `pack_weights` says).
 
     Measured, not scaled from one row: on a CPU a batch makes the target's step compute-bound, so
     the extra tokens of a draft cost more than they do for one row.
     """
     device, vocab = target.device, target.config.get_text_config().vocab_size
     verify, draft, plain = {}, {}, {}
-    pack = packs_weights(drafter)
+    pack = packs_weights(drafter) if pack is None else pack
 
     def block_cost(cache: DynamicCache, batch: int, n: int, lean: llama_verify.CacheRoom | None = None) -> float:
         tokens = torch.randint(3, vocab, (batch, n), device=device)
@@ -170,7 +196,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
             plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
             with packed_weights(target, pack), packed_weights(drafter, pack):
-                lean = llama_verify.room_for(target, compiles_verify(drafter))  # as decoding decides it, packed
+                lean = llama_verify.room_for(target, compiles_on(drafter, pack)) if pack else None  # as decoding does
                 verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
                 draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
                                     for d in range(1, max_depth + 1)} for k in top_ks}
@@ -234,6 +260,9 @@ class TuningReport:
     calibration_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # top_k -> ranks
     batch_costs: dict = field(default_factory=dict)  # see `batch_costs`
     sampling: dict = field(default_factory=dict)  # see `sampling_tuning`
+    pack_weights: bool = False  # whether these costs are on packed weights: the path chosen
+    pack_seconds: float = 0.0  # packing and unpacking the weights, once a call (0 on torch's default path)
+    paths: dict = field(default_factory=dict)  # "packed" / "default" -> that path's fastest candidate
 
     def best(self, chain: bool) -> dict:
         """The fastest predicted chain (top_k 1) or tree (top_k > 1); {} if there is none."""
@@ -257,7 +286,15 @@ class TuningReport:
             "calibration_ranks": self.calibration_ranks,
             "batch_costs": self.batch_costs,
             "sampling": self.sampling,
+            "pack_weights": self.pack_weights,
+            "pack_seconds": self.pack_seconds,
+            "paths": self.paths,
         }
+
+
+def compiles_on(drafter: Eagle3DraftModel, pack: bool) -> bool:
+    """Whether a call on the `pack` path verifies with the compiled lean forward (`compile_verify`, packed only)."""
+    return pack and speculation_setting(drafter, "compile_verify")
 
 
 def choose_tree_shape(
@@ -268,37 +305,51 @@ def choose_tree_shape(
     max_tokens: int,
     context: int = 256,
 ) -> TuningReport:
-    """Predict the speedup of every candidate shape from this device's costs and the measured acceptance.
+    """Predict the speedup of every candidate shape on each verify path (`verify_paths`) from this device's costs
+    and the measured acceptance; the report of the path whose best shape is fastest.
 
     `ranks_by_top_k[k]` come from a calibration run at top_k `k`, `max_depth` levels and
     `max_tokens` tokens (a chain of `max_depth` for k = 1), see `calibrate`.
     """
     sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
     mode = verify_mode(drafter)
-    pack = packs_weights(drafter)
+    paths = verify_paths(target, drafter)
     layer_ids = drafter.config.target_layer_ids
     # Why passes: a shared CPU drifts in speed over seconds and noise only adds time, so each cost's best over passes
     # in different minutes keeps the curve's shape where one pass bends it (on the 2-core CPU tuning once picked a
-    # chain over a tree on a dip at one size); the three costs in turn in each pass, so a slow minute slows them alike.
+    # chain over a tree on a dip at one size); the costs in turn in each pass, so a slow minute slows them alike.
     passes = []
     for _ in range(TUNING_ROUNDS):
-        curve = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
-                                  compiled=compiles_verify(drafter))
-        plain = verify_cost_curve(target, [1], layer_ids, context=context)[1] if pack else curve[1]
-        with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
-            drafts = {w: {d: draft_cost(drafter, d, w, context=context) for d in range(1, max_depth + 1)}
-                      for w in range(1, max(ranks_by_top_k) + 1)}
-        passes.append((curve, plain, drafts))
-    curve = {n: min(p[0][n] for p in passes) for n in sizes}
-    plain = min(p[1] for p in passes)
-    drafts = {k: {d: min(p[2][k][d] for p in passes) for d in depths} for k, depths in passes[0][2].items()}
-    return TuningReport(curve, drafts, plain, rank_candidates(curve, drafts, ranks_by_top_k, plain), ranks_by_top_k)
+        curves, drafts = {}, {}
+        for pack in paths:
+            curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
+                                             compiled=compiles_on(drafter, pack))
+            with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
+                drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context) for d in range(1, max_depth + 1)}
+                                for w in range(1, max(ranks_by_top_k) + 1)}
+        passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))
+    plain = min(p[0][False][1] for p in passes)  # the default path's one-token forward: a plain step
+    reports = []
+    for pack in paths:
+        curve = {n: min(p[0][pack][n] for p in passes) for n in sizes}
+        drafts = {k: {d: min(p[1][pack][k][d] for p in passes) for d in depths}
+                  for k, depths in passes[0][1][pack].items()}
+        per_call = min(p[2] for p in passes) if pack else 0.0
+        candidates = rank_candidates(curve, drafts, ranks_by_top_k, plain, per_call)
+        reports.append(TuningReport(curve, drafts, plain, candidates, ranks_by_top_k, pack_weights=pack,
+                                    pack_seconds=per_call))
+    paths_best = {"packed" if report.pack_weights else "default": report.choice for report in reports}
+    best = max(reports, key=lambda report: report.choice["speedup"])
+    best.paths = paths_best
+    return best
 
 
 def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, dict[int, float]],
-                    ranks_by_top_k: dict[int, list[list[int]]], plain_seconds: float) -> list[dict]:
+                    ranks_by_top_k: dict[int, list[list[int]]], plain_seconds: float,
+                    call_seconds: float = 0.0) -> list[dict]:
     """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per tree
-    (`tree_draft_seconds`), against `plain_seconds` per plain decoding step."""
+    (`tree_draft_seconds`) and `call_seconds` once a call of `CALL_TOKENS` tokens (packing), against
+    `plain_seconds` per plain decoding step."""
     candidates = []
     depths = sorted({depth for per_depth in draft_seconds.values() for depth in per_depth})
     for top_k, ranks in ranks_by_top_k.items():
@@ -311,8 +362,9 @@ def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, d
                 if draft is None:
                     continue
                 tau = projected_tau(ranks, nodes, depth)
+                step = verify + draft + call_seconds * tau / CALL_TOKENS  # a call takes CALL_TOKENS / tau steps
                 candidates.append({"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": nodes, "tau": tau,
-                                   "speedup": tau * plain_seconds / (verify + draft)})
+                                   "speedup": tau * plain_seconds / step})
     return candidates
 
 
@@ -343,7 +395,7 @@ def sampling_tuning(report: dict, ranks_by_top_k: dict[int, list[list[int]]], te
     """
     verify = {int(n): t for n, t in report["verify_seconds"].items()}  # keys are strings once through JSON
     drafts = {int(k): {int(d): t for d, t in depths.items()} for k, depths in report["draft_seconds"].items()}
-    candidates = rank_candidates(verify, drafts, ranks_by_top_k, report["plain_seconds"])
+    candidates = rank_candidates(verify, drafts, ranks_by_top_k, report["plain_seconds"], report.get("pack_seconds", 0.0))
     fastest = max(candidates, key=lambda c: c["speedup"])
     return {"temperature": temperature, "calibration_ranks": ranks_by_top_k, "candidates": candidates,
             "shape": {**fastest, "temperature": temperature}}
@@ -377,8 +429,9 @@ def batch_shapes(report: dict) -> dict[str, dict]:
 
 
 def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None:
-    """Store the best chain length, the best tree and the faster mode in the drafter's generation config,
-    the shape predicted fastest for each batch size (`batch_shapes`) and for sampling (`sampling_shape`).
+    """Store the best chain length, the best tree, the faster mode and the verify path they were measured on
+    (`pack_weights`) in the drafter's generation config, the shape predicted fastest for each batch size
+    (`batch_shapes`) and for sampling (`sampling_shape`).
 
     `report` may also be a saved `TuningReport.as_dict()` (a resumed benchmark reuses its tuning).
     Dynamic speculation is switched off: the shapes were chosen for the acceptance measured at a
@@ -397,6 +450,8 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     config.max_speculation_depth = max(chain.get("tree_depth", 1), tree.get("tree_depth", 1))
     config.speculation_mode = "chain" if choice["tree_top_k"] == 1 else "tree"
     config.dynamic_speculation = False
+    if "pack_weights" in report:  # reports from before tuning chose the path measured the packed one when it could
+        config.pack_weights = report["pack_weights"]
     config.batch_shapes = batch_shapes(report) if report.get("batch_costs") else None
     config.sampling_shape = (report.get("sampling") or {}).get("shape")
 
@@ -414,7 +469,8 @@ def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: li
     ranks = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens)
     report = choose_tree_shape(target, drafter, ranks, max_depth, max_tokens)
     if batch_sizes:
-        report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes)
+        report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes,
+                                         pack=report.pack_weights)
     if sampling_temperature is not None:
         sampled = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens,
                                      sampling_temperature)
@@ -431,7 +487,9 @@ def _families(report: dict) -> list[int]:
 def tune_batch_sizes(target: PreTrainedModel, drafter: Eagle3DraftModel, report: dict,
                      batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict:
     """Add batched costs to a saved tuning report (its calibrated acceptance kept) and store `batch_shapes`."""
-    report = {**report, "batch_costs": batch_costs(target, drafter, _families(report), BATCH_MAX_DEPTH, batch_sizes)}
+    pack = report.get("pack_weights", packs_weights(drafter))
+    report = {**report, "batch_costs": batch_costs(target, drafter, _families(report), BATCH_MAX_DEPTH, batch_sizes,
+                                                   pack=pack)}
     drafter.generation_config.batch_shapes = batch_shapes(report)
     return report
 

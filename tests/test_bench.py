@@ -206,6 +206,45 @@ def test_candidates_follow_the_speedup_formula():
     assert chain["tau"] == pytest.approx((3 + 2 + 1) / 3) and chain["speedup"] == pytest.approx(chain["tau"] * 1.25 / (1.5 + 0.2))
 
 
+def test_a_calls_packing_is_spread_over_its_steps_in_the_predicted_speedup():
+    from hf_eagle31.tuning import CALL_TOKENS, rank_candidates
+
+    verify, drafts, ranks = {1: 1.0, 3: 1.5}, {1: {2: 0.2}}, {1: [[0, 1], [0], []]}
+    chain = rank_candidates(verify, drafts, ranks, plain_seconds=1.25, call_seconds=12.8)[0]
+    tau = (3 + 2 + 1) / 3  # a call of CALL_TOKENS tokens takes CALL_TOKENS / tau steps, and packs once
+    assert chain["speedup"] == pytest.approx(tau * 1.25 / (1.5 + 0.2 + 12.8 * tau / CALL_TOKENS))
+
+
+@pytest.mark.skipif(not can_pack(trained_pair("llama", True)[0]), reason="packing needs oneDNN on a CPU")
+@pytest.mark.parametrize("slow", ["packed", "default"])
+def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
+    """The packed weights pay on one CPU and not on another: tuning times both paths and keeps the faster one's
+    shapes and its `pack_weights`, which decoding then follows."""
+    from hf_eagle31 import tuning
+
+    target, drafter = trained_pair("llama", True)
+    measured = tuning.verify_cost_curve
+
+    def curve(target, sizes, layer_ids, pack=False, **kwargs):  # the real forwards, one path made 3x slower
+        times = measured(target, sizes, layer_ids, pack=pack, **kwargs)
+        return {n: t * (3.0 if pack == (slow == "packed") else 1.0) for n, t in times.items()}
+
+    monkeypatch.setattr(tuning, "verify_cost_curve", curve)
+    monkeypatch.setattr(tuning, "packing_cost", lambda *_: 0.0)
+    ranks = {1: [[0, 1], [0], [0, 1, 2]] * 3}
+    report = choose_tree_shape(target, drafter, ranks, max_depth=3, max_tokens=4, context=32)
+    assert report.pack_weights is (slow == "default") and set(report.paths) == {"packed", "default"}
+    assert report.choice == report.paths["packed" if report.pack_weights else "default"]
+    apply_choice(drafter, report)
+    assert drafter.generation_config.pack_weights is (slow == "default")
+    from hf_eagle31 import packing
+
+    packed, pack_linears = [], packing.pack_linears
+    monkeypatch.setattr(packing, "pack_linears", lambda model: packed.append(model) or pack_linears(model))
+    target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=4, assistant_model=drafter)
+    assert (target in packed) is (slow == "default")
+
+
 def test_projection_to_a_real_shape_measures_and_extrapolates():
     from transformers import LlamaConfig
 

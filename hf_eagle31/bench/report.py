@@ -94,6 +94,10 @@ def tuning_table(tuning: dict[str, dict]) -> str:
     for name, report in tuning.items():
         ratios = report["verify_cost_ratio"]
         lines.append(f"**{name}**: verify cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
+        if report.get("paths"):  # tuning chose between packed weights and torch's default path
+            lines.append(f"verify path: {'packed weights' if report['pack_weights'] else 'torch default'} (best "
+                         "predicted speedup: " + ", ".join(f"{path} {best['speedup']:.2f}x"
+                                                           for path, best in report["paths"].items()) + ")")
         sampling = report.get("sampling") or {}
         shapes = {"best chain": report.get("best_chain"), "best tree": report.get("best_tree"),
                   f"sampling at temperature {sampling.get('temperature')}": sampling.get("shape")}
