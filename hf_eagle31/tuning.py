@@ -450,7 +450,7 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     config.max_speculation_depth = max(chain.get("tree_depth", 1), tree.get("tree_depth", 1))
     config.speculation_mode = "chain" if choice["tree_top_k"] == 1 else "tree"
     config.dynamic_speculation = False
-    if "pack_weights" in report:  # reports from before tuning chose the path measured the packed one when it could
+    if "pack_weights" in report:  # a report from before tuning chose the path: measured packed where it could, kept
         config.pack_weights = report["pack_weights"]
     config.batch_shapes = batch_shapes(report) if report.get("batch_costs") else None
     config.sampling_shape = (report.get("sampling") or {}).get("shape")

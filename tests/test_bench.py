@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import PROMPTS, trained_pair
+from tiny_models import PROMPTS, make_target, trained_pair
 
 from hf_eagle31 import llama_verify
 from hf_eagle31.bench.report import write_results
@@ -215,7 +215,7 @@ def test_a_calls_packing_is_spread_over_its_steps_in_the_predicted_speedup():
     assert chain["speedup"] == pytest.approx(tau * 1.25 / (1.5 + 0.2 + 12.8 * tau / CALL_TOKENS))
 
 
-@pytest.mark.skipif(not can_pack(trained_pair("llama", True)[0]), reason="packing needs oneDNN on a CPU")
+@pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 @pytest.mark.parametrize("slow", ["packed", "default"])
 def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
     """The packed weights pay on one CPU and not on another: tuning times both paths and keeps the faster one's
