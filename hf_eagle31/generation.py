@@ -73,9 +73,10 @@ def packs_weights(drafter: Eagle3DraftModel) -> bool:
     return speculation_setting(drafter, "pack_weights") and verify_mode(drafter) != "exact"
 
 
-def compiles_verify(drafter: Eagle3DraftModel) -> bool:
-    """Whether this drafter's calls verify with the compiled lean forward where the target takes the lean one."""
-    return speculation_setting(drafter, "compile_verify") and packs_weights(drafter)
+def compiles_verify(drafter: Eagle3DraftModel, pack: bool | None = None) -> bool:
+    """Whether this drafter's calls verify with the compiled lean forward where the target takes the lean one: only
+    on packed weights, the drafter's own `pack_weights` path unless `pack` names one (tuning times both)."""
+    return speculation_setting(drafter, "compile_verify") and (packs_weights(drafter) if pack is None else pack)
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:

@@ -37,11 +37,11 @@ from transformers import DynamicCache, PreTrainedModel
 from hf_eagle31 import llama_verify
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
 from hf_eagle31.generation import (
+    compiles_verify,
     drafting_dtype,
     eagle_verification,
     packs_weights,
     prepare_drafter,
-    speculation_setting,
     verify_mode,
 )
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -196,7 +196,8 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
             plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
             with packed_weights(target, pack), packed_weights(drafter, pack):
-                lean = llama_verify.room_for(target, compiles_on(drafter, pack)) if pack else None  # as decoding does
+                # as decoding does: the lean forward on this call's own packing
+                lean = llama_verify.room_for(target, compiles_verify(drafter, pack)) if pack else None
                 verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
                 draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
                                     for d in range(1, max_depth + 1)} for k in top_ks}
@@ -292,11 +293,6 @@ class TuningReport:
         }
 
 
-def compiles_on(drafter: Eagle3DraftModel, pack: bool) -> bool:
-    """Whether a call on the `pack` path verifies with the compiled lean forward (`compile_verify`, packed only)."""
-    return pack and speculation_setting(drafter, "compile_verify")
-
-
 def choose_tree_shape(
     target: PreTrainedModel,
     drafter: Eagle3DraftModel,
@@ -323,7 +319,7 @@ def choose_tree_shape(
         curves, drafts = {}, {}
         for pack in paths:
             curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
-                                             compiled=compiles_on(drafter, pack))
+                                             compiled=compiles_verify(drafter, pack))
             with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
                 drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context) for d in range(1, max_depth + 1)}
                                 for w in range(1, max(ranks_by_top_k) + 1)}
@@ -395,7 +391,8 @@ def sampling_tuning(report: dict, ranks_by_top_k: dict[int, list[list[int]]], te
     """
     verify = {int(n): t for n, t in report["verify_seconds"].items()}  # keys are strings once through JSON
     drafts = {int(k): {int(d): t for d, t in depths.items()} for k, depths in report["draft_seconds"].items()}
-    candidates = rank_candidates(verify, drafts, ranks_by_top_k, report["plain_seconds"], report.get("pack_seconds", 0.0))
+    candidates = rank_candidates(verify, drafts, ranks_by_top_k, report["plain_seconds"],
+                                 report.get("pack_seconds", 0.0))
     fastest = max(candidates, key=lambda c: c["speedup"])
     return {"temperature": temperature, "calibration_ranks": ranks_by_top_k, "candidates": candidates,
             "shape": {**fastest, "temperature": temperature}}
@@ -487,9 +484,8 @@ def _families(report: dict) -> list[int]:
 def tune_batch_sizes(target: PreTrainedModel, drafter: Eagle3DraftModel, report: dict,
                      batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict:
     """Add batched costs to a saved tuning report (its calibrated acceptance kept) and store `batch_shapes`."""
-    pack = report.get("pack_weights", packs_weights(drafter))
     report = {**report, "batch_costs": batch_costs(target, drafter, _families(report), BATCH_MAX_DEPTH, batch_sizes,
-                                                   pack=pack)}
+                                                   pack=report.get("pack_weights"))}  # None: the drafter's setting
     drafter.generation_config.batch_shapes = batch_shapes(report)
     return report
 
