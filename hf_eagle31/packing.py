@@ -22,6 +22,10 @@ columns runs at the memory's rate where a few rows times it run slowly. In fp32 
 for 2-4 rows and oneDNN for one row and for more than 4. Under torch.compile a packed product is an
 opaque op (`hf_eagle31::packed_linear`), which dynamo calls without tracing into the packed weight (an
 mkldnn tensor it cannot trace).
+
+fp32 weights on a CPU with AVX-512 are not reordered at all (`rows_layout`): a group keeps its members'
+own weights and multiplies them with the rows kernel (kernels/rows_linear.py), faster than oneDNN's
+packed product for 2-16 rows on a 2-core Xeon and without a reorder before and after each call.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from hf_eagle31 import verification  # its `exact_mode_active` (modeling imports this module: a cycle Python resolves)
+from hf_eagle31.kernels.rows_linear import rows_kernel, rows_linear
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size
@@ -52,6 +57,15 @@ def fast_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def rows_layout(dtype: torch.dtype) -> bool:
+    """Whether a packing of `dtype` weights leaves them as they are for the rows kernel (kernels/rows_linear.py):
+    fp32 where the kernel builds (a CPU with AVX-512). Why: it multiplies 2-16 rows at ~1.1-1.5 one-row products
+    where oneDNN's packed layout takes ~1.3-1.9 on a 2-core Xeon, and packs nothing: no reorder before and after a
+    call (0.26 s of each SmolLM2 call in fp32), the target's weights readable throughout. bf16 stays with oneDNN,
+    whose packed bf16 products run on AMX or AVX-512 BF16."""
+    return dtype == torch.float32 and rows_kernel()
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -76,10 +90,11 @@ class PackedGroup:
     an input computes every member's output; the others, called with the same input, take theirs.
     """
 
-    weight: torch.Tensor  # the members' weights stacked, packed
+    weight: torch.Tensor | None  # the members' weights stacked, packed; None where the rows kernel reads `members`
     bias: torch.Tensor | None
     sizes: list[int]  # each member's output features
     key: int  # the first member's id: the same for every packing of a model, so a compiled graph can name it
+    members: tuple[torch.Tensor, ...] = ()  # the members' own weights, for the rows kernel (`rows_layout`)
     pending: tuple | None = None  # (input, its version, the outputs not yet taken)
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +102,13 @@ class PackedGroup:
         group's own weight, not through `packed_product`'s key: another thread may unpack the model meanwhile."""
         if torch.compiler.is_compiling():
             return packed_product(self.key, x, sum(self.sizes))
+        if self.members:
+            return rows_linear(x, self.members, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+    def member_weight(self, member: int) -> torch.Tensor:
+        """A member's weight in torch's layout (a copy where it is packed)."""
+        return self.members[member] if self.members else self.weight.to_dense().split(self.sizes)[member]
 
     def product(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if len(self.sizes) == 1:
@@ -136,7 +157,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # each member takes its slice of the whole product (dynamo traces no `pending`)
         return group.whole(x).split(group.sizes, dim=-1)[member]
     if verification.exact_mode_active():  # a concurrent "exact" call on this target computes on the plain weight
-        return F.linear(x, group.weight.to_dense().split(group.sizes)[member], self.bias)
+        return F.linear(x, group.member_weight(member), self.bias)
     return group.product(x, member)
 
 
@@ -369,16 +390,22 @@ def pack_linears(model: nn.Module) -> list[nn.Module]:
                 module.forward = types.MethodType(_transposed_forward, module)
         for members in _groups(model, shared, set(ties)):
             weights = [m.weight.detach() for m in members]
-            stacked = weights[0] if len(members) == 1 else torch.cat(weights)
             bias = members[0].bias if len(members) == 1 or members[0].bias is None else \
                 torch.cat([m.bias.detach() for m in members])
-            group = PackedGroup(torch.ops.mkldnn._reorder_linear_weight(stacked, BATCH_HINT), bias,
-                                [w.shape[0] for w in weights], id(members[0]))
+            sizes = [w.shape[0] for w in weights]
+            if rows_layout(weights[0].dtype):
+                group = PackedGroup(None, bias, sizes, id(members[0]), tuple(w.contiguous() for w in weights))
+            else:
+                stacked = weights[0] if len(members) == 1 else torch.cat(weights)
+                group = PackedGroup(torch.ops.mkldnn._reorder_linear_weight(stacked, BATCH_HINT), bias, sizes,
+                                    id(members[0]))
             _PACKED_GROUPS[group.key] = group
             for index, module in enumerate(members):
                 swapped.append(module)  # first: whatever happens to it below, unpacking undoes
                 module.packed, module.packed_member = group, index
                 module.forward = types.MethodType(_packed_forward, module)
+            if group.members:  # the weights stay: nothing to serve rows from or to release
+                continue
             for head in (m for m in members if id(m) in ties):
                 embedding, probe, expected = ties[id(head)]
                 swapped.append(embedding)
@@ -403,13 +430,19 @@ def unpack_linears(swapped: list[nn.Module]) -> None:
         group = vars(module).get("packed")
         if group is not None:
             if id(group) not in dense:
-                dense[id(group)] = group.weight.to_dense().split(group.sizes)
+                dense[id(group)] = group.weight.to_dense().split(group.sizes) if group.weight is not None else None
                 _PACKED_GROUPS.pop(group.key, None)
-            weight = dense[id(group)][module.packed_member]
-            module.weight.data = weight if len(group.sizes) == 1 else weight.clone()  # each its own storage
+            if dense[id(group)] is not None:  # packed by oneDNN (the rows kernel's weights never left)
+                weight = dense[id(group)][module.packed_member]
+                module.weight.data = weight if len(group.sizes) == 1 else weight.clone()  # each its own storage
             del module.packed, module.packed_member
         vars(module).pop("forward", None)
         vars(module).pop("packed_rows", None)
+
+
+def _releases_weights(swapped: list[nn.Module]) -> bool:
+    """Whether a packing released weights (oneDNN's layout), which a `state_dict` meanwhile would read as NaN."""
+    return any(getattr(vars(m).get("packed"), "weight", None) is not None for m in swapped)
 
 
 def _refuse_state_dict(module: nn.Module, *_) -> None:
@@ -445,7 +478,8 @@ def packed_weights(model: nn.Module, enabled: bool = True):
     with _LOCK:
         calls, swapped, hook = _PACKED.get(id(model), (0, [], None))
         if not calls:
-            swapped, hook = pack_linears(model), model.register_state_dict_pre_hook(_refuse_state_dict)
+            swapped = pack_linears(model)
+            hook = model.register_state_dict_pre_hook(_refuse_state_dict) if _releases_weights(swapped) else None
         _PACKED[id(model)] = (calls + 1, swapped, hook)
     try:
         yield
@@ -455,5 +489,6 @@ def packed_weights(model: nn.Module, enabled: bool = True):
             if calls > 1:
                 _PACKED[id(model)] = (calls - 1, swapped, hook)
             else:
-                hook.remove()
+                if hook is not None:
+                    hook.remove()
                 unpack_linears(swapped)

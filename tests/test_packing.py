@@ -30,6 +30,13 @@ original = packing.PackedGroup.whole
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 
 
+@pytest.fixture(autouse=True)
+def onednn_layout(monkeypatch):
+    """These tests are about oneDNN's packed layout; fp32 weights on an AVX-512 CPU otherwise stay as they are for
+    the rows kernel (tests/test_rows_linear.py)."""
+    monkeypatch.setattr(packing, "rows_layout", lambda dtype: False)
+
+
 def snapshot(model):
     return {name: p.detach().clone() for name, p in model.state_dict().items()}
 
