@@ -461,14 +461,15 @@ _LOCK = threading.Lock()
 def packed_weights(model: nn.Module, enabled: bool = True):
     """`model` on packed weights for the duration (when `enabled` and `can_pack`). Nested and concurrent calls
     share one packing: the first packs and the last one unpacks. Each EAGLE `generate` call packs for itself,
-    about 0.2 s for SmolLM2-135M in fp32 on 2 cores; a serving loop pays that once by wrapping its calls:
+    about 0.15-0.2 s for SmolLM2-135M on 2 cores (nothing in fp32 on AVX-512: `rows_layout`); a serving loop pays
+    that once by wrapping its calls:
 
         with packed_weights(target), packed_weights(drafter):
             for prompt in prompts:
                 target.generate(prompt, assistant_model=drafter)
 
-    Inside, every forward of `model` runs on the packed weights, plain ones too; its `state_dict` refuses
-    (the packed-out weights read NaN), so save, move or convert the model outside. Threads: a forward running
+    Inside, every forward of `model` runs on the packed weights, plain ones too; where oneDNN's layout released
+    them its `state_dict` refuses (the packed-out weights read NaN), so save, move or convert the model outside. Threads: a forward running
     while the last call unpacks computes on the one weight or the other, but one running while the first call
     packs may read a packed-out weight (its memory goes): a server that runs plain or "exact" calls beside
     EAGLE ones packs once around all of them, as above."""
