@@ -469,10 +469,10 @@ def packed_weights(model: nn.Module, enabled: bool = True):
                 target.generate(prompt, assistant_model=drafter)
 
     Inside, every forward of `model` runs on the packed weights, plain ones too; where oneDNN's layout released
-    them its `state_dict` refuses (the packed-out weights read NaN), so save, move or convert the model outside. Threads: a forward running
-    while the last call unpacks computes on the one weight or the other, but one running while the first call
-    packs may read a packed-out weight (its memory goes): a server that runs plain or "exact" calls beside
-    EAGLE ones packs once around all of them, as above."""
+    them its `state_dict` refuses (the packed-out weights read NaN), so save, move or convert the model outside.
+    Threads: a forward running while the last call unpacks computes on the one weight or the other, but one
+    running while the first call packs may read a packed-out weight (its memory goes): a server that runs plain
+    or "exact" calls beside EAGLE ones packs once around all of them, as above."""
     if not (enabled and can_pack(model)):
         yield
         return
