@@ -80,3 +80,16 @@ def test_greedy_on_the_rows_kernel_equals_plain_generate(mode, monkeypatch):
         expected = target.generate(prompt, do_sample=False, max_new_tokens=24)
         assert torch.equal(target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=24), expected)
     assert any(n > 1 for n in rows)  # blocks of drafts went through it
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_onednn_with_a_warning(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_ninja(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_ninja)
+    with pytest.warns(UserWarning, match="rows kernel did not build .*Ninja is required.*packing for oneDNN instead"):
+        assert rows_kernel.__wrapped__() is False
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert rows_kernel.__wrapped__() is False  # no AVX-512: not even tried
