@@ -429,10 +429,10 @@ def unpack_linears(swapped: list[nn.Module]) -> None:
     for module in swapped:  # the weight back before the forward: calls in other threads meanwhile read one of them
         group = vars(module).get("packed")
         if group is not None:
-            if id(group) not in dense:
-                dense[id(group)] = group.weight.to_dense().split(group.sizes) if group.weight is not None else None
-                _PACKED_GROUPS.pop(group.key, None)
-            if dense[id(group)] is not None:  # packed by oneDNN (the rows kernel's weights never left)
+            _PACKED_GROUPS.pop(group.key, None)
+            if group.weight is not None:  # packed by oneDNN (the rows kernel's weights never left)
+                if id(group) not in dense:
+                    dense[id(group)] = group.weight.to_dense().split(group.sizes)
                 weight = dense[id(group)][module.packed_member]
                 module.weight.data = weight if len(group.sizes) == 1 else weight.clone()  # each its own storage
             del module.packed, module.packed_member
