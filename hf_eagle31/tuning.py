@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,9 +55,12 @@ TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain 
 CALL_TOKENS = 256  # new tokens of a typical call: what packing the weights once a call is spread over
 
 
-def _best_of(fn, repeats: int) -> float:
+def _best_of(fn, repeats: int, before: Callable[[], object] | None = None) -> float:
+    """The fastest of `repeats` calls of `fn`, each after an untimed call of `before` (if given)."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the warm-up's queued kernels must not count
         started = time.perf_counter()
@@ -118,11 +122,24 @@ def verify_cost_curve(
     return costs
 
 
+def target_step(target: PreTrainedModel) -> Callable[[], object]:
+    """One plain forward of the target over one token: what `draft_cost` runs before each timed tree, as decoding
+    drafts each tree after a verify forward has streamed the target's weights through the caches.
+
+    Why: the drafter then reads its weights, code and data from memory, not from the caches a loop of trees keeps
+    them in. SmolLM2's 3-level tree on 2 threads: 9.2 ms after a target forward, 7.1 ms in a loop; decoding's own
+    drafts cost at least the first, and tuning on the second chose trees a level or two too deep and predicted 17%
+    more speed than the benchmark then measured (docs/benchmarks.md).
+    """
+    token = torch.full((1, 1), 3, device=target.device)
+    return lambda: target(token, use_cache=False)
+
+
 @torch.no_grad()
 def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int = 256, repeats: int = 5,
-               batch_size: int = 1) -> float:
+               batch_size: int = 1, before: Callable[[], object] | None = None) -> float:
     """Seconds to draft one EAGLE-2 tree of `depth` levels in each of `batch_size` rows (catch-up on one accepted
-    token per row included)."""
+    token per row included), each tree timed after an untimed call of `before` (`target_step`: as decoding drafts)."""
     device = drafter.device
     width = 3 * drafter.config.target_hidden_size
     features = torch.randn(batch_size, context, width, device=device, dtype=drafter.dtype)
@@ -140,7 +157,7 @@ def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int =
         draft_tree(state, tokens[:, -1], depth, top_k, 10**6)
 
     one_tree()
-    return _best_of(one_tree, repeats)
+    return _best_of(one_tree, repeats, before)
 
 
 def verify_paths(target: PreTrainedModel, drafter: Eagle3DraftModel) -> tuple[bool, ...]:
@@ -199,7 +216,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
                 # as decoding does: the lean forward on this call's own packing
                 lean = llama_verify.room_for(target, compiles_verify(drafter, pack)) if pack else None
                 verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
-                draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch)
+                draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, target_step(target))
                                     for d in range(1, max_depth + 1)} for k in top_ks}
     return {"verify_seconds": verify, "draft_seconds": draft, "plain_seconds": plain}
 
@@ -321,7 +338,8 @@ def choose_tree_shape(
             curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
                                              compiled=compiles_verify(drafter, pack))
             with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
-                drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context) for d in range(1, max_depth + 1)}
+                drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context, before=target_step(target))
+                                    for d in range(1, max_depth + 1)}
                                 for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))
     plain = min(p[0][False][1] for p in passes)  # the default path's one-token forward: a plain step

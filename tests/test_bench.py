@@ -1,6 +1,7 @@
 """The benchmark runner and the hardware-aware tuning, on a tiny pair."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,26 @@ def test_a_calls_packing_is_spread_over_its_steps_in_the_predicted_speedup():
     chain = rank_candidates(verify, drafts, ranks, plain_seconds=1.25, call_seconds=12.8)[0]
     tau = (3 + 2 + 1) / 3  # a call of CALL_TOKENS tokens takes CALL_TOKENS / tau steps, and packs once
     assert chain["speedup"] == pytest.approx(tau * 1.25 / (1.5 + 0.2 + 12.8 * tau / CALL_TOKENS))
+
+
+def test_tuning_times_each_draft_tree_after_an_untimed_target_forward(monkeypatch):
+    """Decoding drafts each tree after a verify forward has streamed the target's weights through the caches, so
+    tuning times its trees after a target forward too (`target_step`), and leaves that forward out of the time."""
+    from hf_eagle31 import tuning
+
+    target, drafter = trained_pair("llama", True)
+    events, calls = [], []
+    target.register_forward_pre_hook(lambda *_: events.append("target") or time.sleep(0.05))
+    draft_tree, draft_cost = tuning.draft_tree, tuning.draft_cost
+    monkeypatch.setattr(tuning, "draft_tree", lambda *a, **k: events.append("tree") or draft_tree(*a, **k))
+    monkeypatch.setattr(tuning, "draft_cost", lambda *a, **k: calls.append(1) or draft_cost(*a, **k))
+    monkeypatch.setattr(tuning, "TUNING_ROUNDS", 1)
+    monkeypatch.setattr(tuning, "verify_paths", lambda *_: (False,))
+    report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
+    trees = [i for i, event in enumerate(events) if event == "tree"]
+    assert len(calls) == 2 and len(trees) == 2 * 6  # per call a warm-up tree, then 5 timed ones
+    assert all(events[i - 1] == "target" for number, i in enumerate(trees) if number % 6)
+    assert 0 < max(t for per_depth in report.draft_seconds.values() for t in per_depth.values()) < 0.05
 
 
 @pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")

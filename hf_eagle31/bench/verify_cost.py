@@ -3,7 +3,8 @@
 
 Both curves are measured in one process, in interleaved rounds (medians), and divided by the
 same t(1): one plain step on the target's own weights, which is what speculation has to beat.
-A draft level is split into the drafter's forward and the rest (top-k, tree bookkeeping, masks).
+A draft level is split into the drafter's forward and the rest (top-k, tree bookkeeping, masks), each tree timed
+after a target forward, as decoding drafts (`tuning.target_step`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from hf_eagle31.drafting import drafting_width
 from hf_eagle31.packing import can_pack, packed_weights
-from hf_eagle31.tuning import draft_cost, verify_cost_curve
+from hf_eagle31.tuning import draft_cost, target_step, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PATHS = {"default": False, "packed": True}  # name -> pack the weights (hf_eagle31/packing.py)
@@ -36,18 +37,18 @@ def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, c
     return {name: {n: statistics.median(ts) for n, ts in sizes.items()} for name, sizes in seconds.items()}
 
 
-def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10) -> dict:
+def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10, before=None) -> dict:
     """Seconds per draft level of a `top_k` tree `depth` levels deep: in all, and in the drafter's forward.
 
-    Best of `repeats` trees, as the verify costs and the tuner time theirs; a tree's catch-up forward
-    on the accepted token counts as its first level. The set-up (the drafter catching up on the whole
-    context) and the warm-up tree are left out.
+    Best of `repeats` trees, as the verify costs and the tuner time theirs, each after an untimed call of `before`;
+    a tree's catch-up forward on the accepted token counts as its first level. The set-up (the drafter catching up
+    on the whole context) and the warm-up tree are left out.
     """
     spans: list[list[float]] = []  # [start, end] of each drafter forward
     hooks = [drafter.register_forward_pre_hook(lambda *_: spans.append([time.perf_counter(), 0.0])),
              drafter.register_forward_hook(lambda *_: spans[-1].__setitem__(1, time.perf_counter()))]
     try:
-        tree = draft_cost(drafter, depth, top_k, repeats=repeats)
+        tree = draft_cost(drafter, depth, top_k, repeats=repeats, before=before)
     finally:
         for hook in hooks:
             hook.remove()
@@ -109,7 +110,7 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
             with packed_weights(drafter, pack):
                 for width, depth in trees:
                     label = f"{name}, {str(dtype).removeprefix('torch.')} drafter, tree {width} wide, {depth} levels"
-                    drafting[label] = draft_split(drafter, depth, width)
+                    drafting[label] = draft_split(drafter, depth, width, before=target_step(target))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds, "draft_level_seconds": drafting},
