@@ -223,13 +223,16 @@ def test_tuning_times_each_draft_tree_after_an_untimed_target_forward(monkeypatc
 
     target, drafter = trained_pair("llama", True)
     events, calls = [], []
-    target.register_forward_pre_hook(lambda *_: events.append("target") or time.sleep(0.05))
     draft_tree, draft_cost = tuning.draft_tree, tuning.draft_cost
     monkeypatch.setattr(tuning, "draft_tree", lambda *a, **k: events.append("tree") or draft_tree(*a, **k))
     monkeypatch.setattr(tuning, "draft_cost", lambda *a, **k: calls.append(1) or draft_cost(*a, **k))
     monkeypatch.setattr(tuning, "TUNING_ROUNDS", 1)
     monkeypatch.setattr(tuning, "verify_paths", lambda *_: (False,))
-    report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
+    hook = target.register_forward_pre_hook(lambda *_: events.append("target") or time.sleep(0.05))
+    try:  # the pair is cached: a hook left on its target would keep later tests off the lean forward
+        report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
+    finally:
+        hook.remove()
     trees = [i for i, event in enumerate(events) if event == "tree"]
     assert len(calls) == 2 and len(trees) == 2 * 6  # per call a warm-up tree, then 5 timed ones
     assert all(events[i - 1] == "target" for number, i in enumerate(trees) if number % 6)
