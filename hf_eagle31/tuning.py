@@ -207,6 +207,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
         forward()  # warm-up
         return _best_of(forward, repeats)
 
+    after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
     with eagle_verification(target):
         for batch in batch_sizes:
             cache = DynamicCache(config=target.config)
@@ -216,7 +217,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
                 # as decoding does: the lean forward on this call's own packing
                 lean = llama_verify.room_for(target, compiles_verify(drafter, pack)) if pack else None
                 verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
-                draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, target_step(target))
+                draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target)
                                     for d in range(1, max_depth + 1)} for k in top_ks}
     return {"verify_seconds": verify, "draft_seconds": draft, "plain_seconds": plain}
 
@@ -331,6 +332,7 @@ def choose_tree_shape(
     # Why passes: a shared CPU drifts in speed over seconds and noise only adds time, so each cost's best over passes
     # in different minutes keeps the curve's shape where one pass bends it (on the 2-core CPU tuning once picked a
     # chain over a tree on a dip at one size); the costs in turn in each pass, so a slow minute slows them alike.
+    after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
     passes = []
     for _ in range(TUNING_ROUNDS):
         curves, drafts = {}, {}
@@ -338,7 +340,7 @@ def choose_tree_shape(
             curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
                                              compiled=compiles_verify(drafter, pack))
             with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
-                drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context, before=target_step(target))
+                drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target)
                                     for d in range(1, max_depth + 1)}
                                 for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,7 +38,8 @@ def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, c
     return {name: {n: statistics.median(ts) for n, ts in sizes.items()} for name, sizes in seconds.items()}
 
 
-def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10, before=None) -> dict:
+def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10,
+                before: Callable[[], object] | None = None) -> dict:
     """Seconds per draft level of a `top_k` tree `depth` levels deep: in all, and in the drafter's forward.
 
     Best of `repeats` trees, as the verify costs and the tuner time theirs, each after an untimed call of `before`;
@@ -101,7 +103,7 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
     config = drafter.generation_config  # the tree decoding drafts (its tuned shape), and a deep one
     shipped = drafting_width(config.tree_top_k or 10, config.tree_total_tokens or 10)
     trees = dict.fromkeys([(shipped, config.tree_depth or 6), (10, 6)])  # (drafting width, depth)
-    drafting = {}
+    drafting, after_target = {}, target_step(target)
     for dtype in dict.fromkeys([target.dtype, torch.bfloat16]):  # a bf16 drafter beside an fp32 target too
         drafter.to(dtype)
         for name, pack in PATHS.items():
@@ -110,7 +112,7 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
             with packed_weights(drafter, pack):
                 for width, depth in trees:
                     label = f"{name}, {str(dtype).removeprefix('torch.')} drafter, tree {width} wide, {depth} levels"
-                    drafting[label] = draft_split(drafter, depth, width, before=target_step(target))
+                    drafting[label] = draft_split(drafter, depth, width, before=after_target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds, "draft_level_seconds": drafting},
