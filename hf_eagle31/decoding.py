@@ -299,7 +299,8 @@ def eagle_decoding(
             for row, tree, step in zip(rows, trees, steps):
                 path = step.nodes[1:]
                 for record in (stats,) if batch_size == 1 else (row.stats, stats):
-                    record.record_step(tree.depth, len(path), len(step.tokens), step.forwards, tree.ranks[path].tolist())
+                    record.record_step(tree.depth, len(path), len(step.tokens), step.forwards, tree.ranks[path].tolist(),
+                                       tree.frontier_ranks.tolist())
             stats.draft_seconds += drafted - began
             stats.verify_seconds += done - drafted
             accepted = [len(step.nodes) - 1 for step in steps]

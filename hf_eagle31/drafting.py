@@ -122,6 +122,7 @@ class DraftTree:
     parents: torch.Tensor  # [N] index of the parent node, -1 for the root
     depths: torch.Tensor  # [N] 0 for the root
     ranks: torch.Tensor | None = None  # [N] score rank among all drafted candidates, -1 for the root
+    frontier_ranks: torch.Tensor | None = None  # [levels after the first] `_viable_width`'s rank of each level's best
     proposals: torch.Tensor | None = None  # [N, V] a sampled chain's: the distribution node i was drawn from
 
     def __len__(self) -> int:
@@ -149,7 +150,7 @@ class DraftTree:
     @classmethod
     def root_only(cls, root_token: torch.Tensor) -> "DraftTree":
         zero = torch.zeros(1, dtype=torch.long, device=root_token.device)
-        return cls(root_token.reshape(1), zero - 1, zero, zero - 1)
+        return cls(root_token.reshape(1), zero - 1, zero, zero - 1, zero[:0])
 
 
 def drafting_width(top_k: int, total_tokens: int) -> int:
@@ -161,6 +162,19 @@ def drafting_width(top_k: int, total_tokens: int) -> int:
     each level's forward is narrower (top-k 10 of 5 tokens drafted 10 wide before).
     """
     return min(top_k, total_tokens)
+
+
+def _viable_width(frontier_scores: torch.Tensor, kept: torch.Tensor, total_tokens: int) -> int:
+    """How many of the frontier's nodes (best first) may still have a child in the kept tree.
+
+    A child never scores above its parent, and the `total_tokens` best pool scores only rise as levels add
+    nodes, so a node scoring below them now has no descendant the tree keeps: expanding it drafts nothing
+    the tree holds. Where no row's frontier can, the levels left are skipped: an unsure drafter stops early
+    (the kept tree is the same, and the same as a tree drafted at full width).
+    """
+    if kept.shape[1] < total_tokens:
+        return frontier_scores.shape[1]
+    return int((frontier_scores >= kept[:, -1:]).sum(dim=1).max())
 
 
 def _children(log_probs: torch.Tensor, top_k: int, temperature: float | None):
@@ -205,8 +219,15 @@ def draft_tree(
     frontier_hidden = hidden.expand(batch, frontier.shape[1], -1)
     frontier_ancestry = torch.zeros(batch, frontier.shape[1], 0, dtype=torch.bool, device=device)
     pool_size = scores.shape[1]
+    kept = scores.topk(min(total_tokens, pool_size), dim=-1).values  # each row's best pool scores so far
+    frontier_ranks = []  # per level: how many kept scores beat its best node (a tree of n tokens drafts it iff < n)
     for level in range(1, depth):
-        width = frontier.shape[1]
+        frontier_ranks.append((kept > frontier_scores[:, :1]).sum(dim=1))
+        width = _viable_width(frontier_scores, kept, total_tokens)
+        if width == 0:
+            break
+        frontier, frontier_scores, frontier_ids, frontier_hidden, frontier_ancestry = (
+            part[:, :width] for part in (frontier, frontier_scores, frontier_ids, frontier_hidden, frontier_ancestry))
         itself = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)
         tail_mask = torch.cat([frontier_ancestry, itself], dim=2)
         frontier_tokens = drafter.draft_to_target(frontier_ids)
@@ -220,6 +241,8 @@ def draft_tree(
         pool_scores.append(child_scores)
         pool_ids.append(child_ids.flatten(1))
         pool_parents.append(frontier.repeat_interleave(child_ids.shape[2], dim=1))
+        kept = torch.cat([kept, child_scores], dim=1)
+        kept = kept.topk(min(total_tokens, kept.shape[1]), dim=-1).values
         frontier_scores, best = child_scores.topk(min(top_k, child_scores.shape[1]), dim=-1)
         frontier_ids = pool_ids[-1].gather(1, best)
         parent_rows = best // child_ids.shape[2]
@@ -230,8 +253,9 @@ def draft_tree(
         frontier_ancestry = frontier_ancestry.gather(1, parent_rows[..., None].expand(-1, -1, frontier_ancestry.shape[2]))
     pool = [torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)]
     proposals = None if temperature is None else torch.cat(pool_q, dim=1)  # [B, depth, V_d]
+    ranks = torch.stack(frontier_ranks, dim=1) if frontier_ranks else scores.new_zeros(batch, 0, dtype=torch.long)
     return [_select_tree(drafter, roots[row], *(part[row] for part in pool), total_tokens,
-                         None if proposals is None else proposals[row]) for row in range(batch)]
+                         None if proposals is None else proposals[row], ranks[row]) for row in range(batch)]
 
 
 def _select_tree(
@@ -242,6 +266,7 @@ def _select_tree(
     parents: torch.Tensor,
     total_tokens: int,
     proposals: torch.Tensor | None = None,
+    frontier_ranks: torch.Tensor | None = None,
 ) -> DraftTree:
     """Keep the `total_tokens` best pool nodes; ties go to the earlier node, so every parent is kept.
 
@@ -269,4 +294,5 @@ def _select_tree(
         depths=torch.tensor(depths, device=device),
         ranks=torch.cat([torch.tensor([-1], device=device), rank[keep].to(device)]),
         proposals=proposals,
+        frontier_ranks=frontier_ranks,
     )

@@ -27,17 +27,21 @@ class SpeculationStats:
     reached: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     accepted_ranks: list[list[int]] = field(default_factory=list, repr=False)
+    frontier_ranks: list[list[int]] = field(default_factory=list, repr=False)  # each step's tree's (drafting.py)
     per_row: list["SpeculationStats"] = field(default_factory=list, repr=False)  # batched calls: one per prompt
 
     def record_step(
-        self, proposed_depth: int, accepted_depth: int, emitted: int, forwards: int = 1, ranks: list[int] | None = None
+        self, proposed_depth: int, accepted_depth: int, emitted: int, forwards: int = 1, ranks: list[int] | None = None,
+        frontier_ranks: list[int] | None = None,
     ) -> None:
         """Record one speculative step: a path `proposed_depth` deep was drafted, `accepted_depth` accepted.
 
-        `ranks` are the score ranks of the accepted draft tokens (their position along a chain);
-        `hf_eagle31.tuning` uses them to evaluate smaller drafts from the same run.
+        `ranks` are the score ranks of the accepted draft tokens (their position along a chain), `frontier_ranks`
+        the tree's (how deep a smaller tree would have drafted); `hf_eagle31.tuning` uses both to evaluate smaller
+        drafts from the same run.
         """
         self.accepted_ranks.append(list(range(accepted_depth)) if ranks is None else ranks)
+        self.frontier_ranks.append(frontier_ranks or [])
         self.speculative_forwards += forwards
         self.speculative_tokens += emitted
         grow = proposed_depth - len(self.reached)

@@ -13,7 +13,9 @@ for every candidate shape and picks the best. Candidates come in families of one
 a chain). One calibration run per family with its largest shape is enough: a tree's nodes carry
 their score rank, and the best n ranks are exactly the tree a smaller `tree_total_tokens` would
 have kept (see `drafting._select_tree`), so each step's accepted path can be re-scored for every
-smaller shape of the family.
+smaller shape of the family. Each step also records how deep a smaller tree would have drafted (a tree
+stops drafting where no node of a level can be kept: `drafting._viable_width`), so a shape's draft cost
+is the mean over the calibrated steps of the trees it would have drafted, not a full tree's each step.
 
 Verification may run on packed weights (packing.py), and whether that pays depends on the CPU: on
 the 2-core AMD EPYC a packed fp32 forward of up to 16 tokens cost less than a plain step; on a
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,14 +251,15 @@ def speculation_settings(drafter: Eagle3DraftModel, **settings):
 
 
 def calibrate(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor], max_new_tokens: int,
-              top_k: int, depth: int, total_tokens: int, temperature: float | None = None) -> list[list[int]]:
-    """Accepted ranks per step from decoding with the family's largest shape, speculation held fixed: greedy, or
-    sampled at `temperature` (seeded per prompt).
+              top_k: int, depth: int, total_tokens: int,
+              temperature: float | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Accepted ranks and frontier ranks (how deep a smaller tree drafts) per step from decoding with the family's
+    largest shape, speculation held fixed: greedy, or sampled at `temperature` (seeded per prompt).
 
     Why a smaller shape's acceptance can be read off these ranks when sampling too: the walk accepts a node when
     the target's own sample is one of its children (a sampled chain: when its draft passes min(1, p/q)), which a
     pruned tree holding that node would accept alike."""
-    ranks = []
+    ranks, frontier_ranks = [], []
     sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature}
     with speculation_settings(drafter, speculation_mode="tree", dynamic_speculation=False, collapse_fallback=False,
                               tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total_tokens,
@@ -267,7 +271,8 @@ def calibrate(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[
             target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                             assistant_model=drafter, **sampling)
             ranks += drafter.speculation_stats.accepted_ranks
-    return ranks
+            frontier_ranks += drafter.speculation_stats.frontier_ranks
+    return ranks, frontier_ranks
 
 
 @dataclass
@@ -277,6 +282,7 @@ class TuningReport:
     plain_seconds: float  # one plain decoding step: the unit of every predicted speedup
     candidates: list[dict] = field(default_factory=list)  # shape, tau, predicted speedup
     calibration_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # top_k -> ranks
+    calibration_frontier_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # the same
     batch_costs: dict = field(default_factory=dict)  # see `batch_costs`
     sampling: dict = field(default_factory=dict)  # see `sampling_tuning`
     pack_weights: bool = False  # whether these costs are on packed weights: the path chosen
@@ -303,6 +309,7 @@ class TuningReport:
             "best_chain": self.best(chain=True),
             "best_tree": self.best(chain=False),
             "calibration_ranks": self.calibration_ranks,
+            "calibration_frontier_ranks": self.calibration_frontier_ranks,
             "batch_costs": self.batch_costs,
             "sampling": self.sampling,
             "pack_weights": self.pack_weights,
@@ -318,12 +325,13 @@ def choose_tree_shape(
     max_depth: int,
     max_tokens: int,
     context: int = 256,
+    frontier_by_top_k: dict[int, list[list[int]]] | None = None,
 ) -> TuningReport:
     """Predict the speedup of every candidate shape on each verify path (`verify_paths`) from this device's costs
     and the measured acceptance; the report of the path whose best shape is fastest.
 
-    `ranks_by_top_k[k]` come from a calibration run at top_k `k`, `max_depth` levels and
-    `max_tokens` tokens (a chain of `max_depth` for k = 1), see `calibrate`.
+    `ranks_by_top_k[k]` and `frontier_by_top_k[k]` come from a calibration run at top_k `k`, `max_depth` levels
+    and `max_tokens` tokens (a chain of `max_depth` for k = 1), see `calibrate`.
     """
     sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
     mode = verify_mode(drafter)
@@ -351,9 +359,9 @@ def choose_tree_shape(
         drafts = {k: {d: min(p[1][pack][k][d] for p in passes) for d in depths}
                   for k, depths in passes[0][1][pack].items()}
         per_call = min(p[2] for p in passes) if pack else 0.0
-        candidates = rank_candidates(curve, drafts, ranks_by_top_k, plain, per_call)
-        reports.append(TuningReport(curve, drafts, plain, candidates, ranks_by_top_k, pack_weights=pack,
-                                    pack_seconds=per_call))
+        candidates = rank_candidates(curve, drafts, ranks_by_top_k, plain, per_call, frontier_by_top_k)
+        reports.append(TuningReport(curve, drafts, plain, candidates, ranks_by_top_k, frontier_by_top_k or {},
+                                    pack_weights=pack, pack_seconds=per_call))
     paths_best = {"packed" if report.pack_weights else "default": report.choice for report in reports}
     best = max(reports, key=lambda report: report.choice["speedup"])
     best.paths = paths_best
@@ -362,10 +370,11 @@ def choose_tree_shape(
 
 def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, dict[int, float]],
                     ranks_by_top_k: dict[int, list[list[int]]], plain_seconds: float,
-                    call_seconds: float = 0.0) -> list[dict]:
-    """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per tree
-    (`tree_draft_seconds`) and `call_seconds` once a call of `CALL_TOKENS` tokens (packing), against
+                    call_seconds: float = 0.0, frontier_by_top_k: dict[int, list[list[int]]] | None = None) -> list[dict]:
+    """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per step
+    (`mean_draft_seconds`) and `call_seconds` once a call of `CALL_TOKENS` tokens (packing), against
     `plain_seconds` per plain decoding step."""
+    frontier_by_top_k = frontier_by_top_k or {}
     candidates = []
     depths = sorted({depth for per_depth in draft_seconds.values() for depth in per_depth})
     for top_k, ranks in ranks_by_top_k.items():
@@ -374,7 +383,7 @@ def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, d
                 nodes = total - 1
                 if nodes < depth or (top_k == 1 and nodes != depth):
                     continue
-                draft = tree_draft_seconds(draft_seconds, top_k, nodes, depth)
+                draft = mean_draft_seconds(draft_seconds, top_k, nodes, depth, frontier_by_top_k.get(top_k))
                 if draft is None:
                     continue
                 tau = projected_tau(ranks, nodes, depth)
@@ -393,15 +402,43 @@ def tree_draft_seconds(draft_seconds: dict[int, dict[int, float]], top_k: int, n
     return draft_seconds[min(timed)][depth] if timed else None
 
 
+def drafted_levels(frontier_ranks: list[int], nodes: int, depth: int) -> int:
+    """Drafter forwards of a tree of `nodes`, `depth` levels deep, at a step with these calibrated frontier ranks:
+    the catch-up, then each level while its best node ranks among the `nodes` best (`drafting._viable_width`)."""
+    levels = 1
+    for rank in frontier_ranks[: depth - 1]:
+        if rank >= nodes:
+            break
+        levels += 1
+    return levels
+
+
+def mean_draft_seconds(draft_seconds: dict[int, dict[int, float]], top_k: int, nodes: int, depth: int,
+                       frontier_ranks: list[list[int]] | None = None) -> float | None:
+    """Seconds a step drafts a tree of `nodes` at `top_k`, `depth` deep: over calibrated steps, the mean cost of
+    the levels each would have drafted (`drafted_levels`); without their frontier ranks (older reports), a full
+    tree's every step."""
+    if not frontier_ranks:
+        return tree_draft_seconds(draft_seconds, top_k, nodes, depth)
+    steps = Counter(drafted_levels(ranks, nodes, depth) for ranks in frontier_ranks)
+    costs = {levels: tree_draft_seconds(draft_seconds, top_k, nodes, levels) for levels in steps}
+    if None in costs.values():
+        return None
+    return sum(costs[levels] * count for levels, count in steps.items()) / len(frontier_ranks)
+
+
 def calibrate_families(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],
                        max_new_tokens: int, top_ks, max_depth: int, max_tokens: int,
-                       temperature: float | None = None) -> dict[int, list[list[int]]]:
-    """`calibrate` each family (top_k) at its largest shape: a chain of `max_depth`, a tree of `max_tokens`."""
-    return {k: calibrate(target, drafter, prompts, max_new_tokens, k, max_depth, max_depth if k == 1 else max_tokens,
+                       temperature: float | None = None) -> tuple[dict[int, list[list[int]]], dict[int, list[list[int]]]]:
+    """`calibrate` each family (top_k) at its largest shape: a chain of `max_depth`, a tree of `max_tokens`; the
+    accepted ranks and the frontier ranks by top_k."""
+    runs = {k: calibrate(target, drafter, prompts, max_new_tokens, k, max_depth, max_depth if k == 1 else max_tokens,
                          temperature) for k in top_ks}
+    return {k: run[0] for k, run in runs.items()}, {k: run[1] for k, run in runs.items()}
 
 
-def sampling_tuning(report: dict, ranks_by_top_k: dict[int, list[list[int]]], temperature: float) -> dict:
+def sampling_tuning(report: dict, ranks_by_top_k: dict[int, list[list[int]]], temperature: float,
+                    frontier_by_top_k: dict[int, list[list[int]]] | None = None) -> dict:
     """The candidates predicted from a report's costs with the acceptance of sampling at `temperature`, and the
     fastest of them (`shape`, which `apply_choice` stores as `sampling_shape`).
 
@@ -412,9 +449,10 @@ def sampling_tuning(report: dict, ranks_by_top_k: dict[int, list[list[int]]], te
     verify = {int(n): t for n, t in report["verify_seconds"].items()}  # keys are strings once through JSON
     drafts = {int(k): {int(d): t for d, t in depths.items()} for k, depths in report["draft_seconds"].items()}
     candidates = rank_candidates(verify, drafts, ranks_by_top_k, report["plain_seconds"],
-                                 report.get("pack_seconds", 0.0))
+                                 report.get("pack_seconds", 0.0), frontier_by_top_k)
     fastest = max(candidates, key=lambda c: c["speedup"])
-    return {"temperature": temperature, "calibration_ranks": ranks_by_top_k, "candidates": candidates,
+    return {"temperature": temperature, "calibration_ranks": ranks_by_top_k,
+            "calibration_frontier_ranks": frontier_by_top_k or {}, "candidates": candidates,
             "shape": {**fastest, "temperature": temperature}}
 
 
@@ -483,15 +521,15 @@ def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: li
     """Calibrate on `prompts` (token ids), measure this device's costs, choose a shape and apply it; the same for
     each of `batch_sizes` (their shapes go to `batch_shapes`) and, calibrated again sampling at
     `sampling_temperature` (None: not), for sampling (`sampling_shape`)."""
-    ranks = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens)
-    report = choose_tree_shape(target, drafter, ranks, max_depth, max_tokens)
+    ranks, frontier = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens)
+    report = choose_tree_shape(target, drafter, ranks, max_depth, max_tokens, frontier_by_top_k=frontier)
     if batch_sizes:
         report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes,
                                          pack=report.pack_weights)
     if sampling_temperature is not None:
-        sampled = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens,
-                                     sampling_temperature)
-        report.sampling = sampling_tuning(report.as_dict(), sampled, sampling_temperature)
+        sampled, frontier = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth,
+                                               max_tokens, sampling_temperature)
+        report.sampling = sampling_tuning(report.as_dict(), sampled, sampling_temperature, frontier)
     apply_choice(drafter, report)
     return report
 
@@ -518,8 +556,9 @@ def tune_sampling(target: PreTrainedModel, drafter: Eagle3DraftModel, report: di
     top_ks = _families(report)
     max_depth = max(int(d) for d in depths[next(iter(depths))])
     max_tokens = max(int(n) for n in report["verify_seconds"]) - 1
-    sampled = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens, temperature)
-    report = {**report, "sampling": sampling_tuning(report, sampled, temperature)}
+    sampled, frontier = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth, max_tokens,
+                                           temperature)
+    report = {**report, "sampling": sampling_tuning(report, sampled, temperature, frontier)}
     drafter.generation_config.sampling_shape = report["sampling"]["shape"]
     return report
 

@@ -39,11 +39,13 @@ def test_a_sampled_calibration_records_the_ranks_the_walk_accepted():
     from hf_eagle31.tuning import calibrate
 
     target, drafter = trained_pair("llama", True)
-    ranks = calibrate(target, drafter, [PROMPTS[0:1]], 40, top_k=4, depth=5, total_tokens=40, temperature=1.0)
+    ranks, frontier = calibrate(target, drafter, [PROMPTS[0:1]], 40, top_k=4, depth=5, total_tokens=40,
+                                temperature=1.0)
     stats = drafter.speculation_stats
     assert ranks == stats.accepted_ranks and len(ranks) < 40  # some steps accepted drafts
+    assert frontier == stats.frontier_ranks and len(frontier) == len(ranks)
     assert projected_tau(ranks, total_tokens=40, depth=5) == pytest.approx(stats.tau)
-    greedy = calibrate(target, drafter, [PROMPTS[0:1]], 40, top_k=4, depth=5, total_tokens=40)
+    greedy, _ = calibrate(target, drafter, [PROMPTS[0:1]], 40, top_k=4, depth=5, total_tokens=40)
     assert greedy != ranks
 
 
@@ -205,6 +207,24 @@ def test_candidates_follow_the_speedup_formula():
     assert shapes == {(1, 1, 1), (1, 2, 2), (3, 1, 1), (3, 1, 2), (3, 2, 2)}  # a chain keeps depth == tokens
     chain = next(c for c in candidates if (c["tree_top_k"], c["tree_depth"]) == (1, 2))
     assert chain["tau"] == pytest.approx((3 + 2 + 1) / 3) and chain["speedup"] == pytest.approx(chain["tau"] * 1.25 / (1.5 + 0.2))
+
+
+def test_a_shapes_draft_cost_is_the_mean_of_the_levels_its_steps_would_draft():
+    """Calibrated frontier ranks say how deep each step's smaller tree drafts: a level runs while its best node
+    ranks among the tree's nodes, so a tree of 3 drafts 1, 3 and 2 forwards at these steps, a tree of 8 2, 3 and 3."""
+    from hf_eagle31.tuning import rank_candidates
+
+    verify = {1: 1.0, 4: 1.2, 9: 1.5}
+    drafts = {3: {1: 0.1, 2: 0.2, 3: 0.3}, 8: {1: 0.1, 2: 0.4, 3: 0.8}}
+    ranks, frontier = {8: [[0], [0, 1], []]}, {8: [[5, 8], [0, 1], [1, 7]]}
+    candidates = rank_candidates(verify, drafts, ranks, plain_seconds=1.0, frontier_by_top_k=frontier)
+    small = next(c for c in candidates if (c["tree_depth"], c["tree_total_tokens"]) == (3, 3))
+    assert small["speedup"] == pytest.approx(small["tau"] / (1.2 + (0.1 + 0.3 + 0.2) / 3))
+    wide = next(c for c in candidates if (c["tree_depth"], c["tree_total_tokens"]) == (3, 8))
+    assert wide["speedup"] == pytest.approx(wide["tau"] / (1.5 + (0.4 + 0.8 + 0.8) / 3))
+    full = rank_candidates(verify, drafts, ranks, plain_seconds=1.0)  # no frontier ranks: every step a full tree
+    assert next(c for c in full if (c["tree_depth"], c["tree_total_tokens"]) == (3, 3))["speedup"] == pytest.approx(
+        small["tau"] / (1.2 + 0.3))
 
 
 def test_a_calls_packing_is_spread_over_its_steps_in_the_predicted_speedup():

@@ -77,11 +77,52 @@ def test_batched_tree_drafting_matches_the_one_node_at_a_time_reference(eagle31,
     (tree,) = draft_tree(state, root[0], depth=4, top_k=top_k, total_tokens=total)
     hook.remove()
     assert len(tree) == total + 1 and tree.depth <= 4
-    assert max(widths[1:]) == min(top_k, total)  # after the catch-up forward, one forward per level
+    assert max(widths[1:]) <= min(top_k, total)  # after the catch-up forward, one forward per level
     reference = reference_tree(drafter, features, tokens, depth=4, top_k=top_k, total=total)
     expected = {tuple(t + 56 for t in path) for path in reference}
     assert tree_paths(tree, drafter) == expected
     assert all(p < n for n, p in enumerate(tree.parents.tolist()) if n > 0)  # parents precede children
+
+
+def test_levels_whose_nodes_the_tree_cannot_keep_are_not_drafted():
+    """A random drafter is unsure (each draft near 1/200): a tree of 2 tokens keeps the root's best children,
+    so deeper nodes score below both and expanding them would draft nothing kept. The tree stops early and is
+    still the reference's, drafted 3 wide at every one of the 6 levels."""
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=True, draft_vocab_size=200)
+    features, tokens, root = context(target, drafter, PROMPTS[0:1])
+    state = DrafterState(drafter)
+    state.push(features, tokens)
+    widths = []
+    hook = drafter.register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[1]))
+    (tree,) = draft_tree(state, root[0], depth=6, top_k=3, total_tokens=2)
+    hook.remove()
+    assert len(widths) < 6  # the catch-up and fewer levels than asked
+    assert tree_paths(tree, drafter) == reference_tree(drafter, features, tokens, depth=6, top_k=3, total=2)
+
+
+@pytest.mark.parametrize("prompt", range(3))
+def test_a_large_trees_frontier_ranks_say_how_deep_each_smaller_tree_drafts(prompt):
+    """What tuning reads off one calibration tree (`drafted_levels`) is what drafting the smaller tree does."""
+    from hf_eagle31.tuning import drafted_levels
+
+    target, drafter = trained_pair("llama", True)
+    features, tokens, root = context(target, drafter, PROMPTS[prompt : prompt + 1])
+
+    def forwards(total: int) -> tuple[int, DraftTree]:
+        state, calls = DrafterState(drafter), []
+        state.push(features, tokens)
+        hook = drafter.register_forward_pre_hook(lambda *_: calls.append(1))
+        try:
+            (tree,) = draft_tree(state, root[0], depth=6, top_k=4, total_tokens=total)
+        finally:
+            hook.remove()
+        return len(calls), tree
+
+    _, large = forwards(40)
+    predicted = {total: drafted_levels(large.frontier_ranks.tolist(), total, 6) for total in (1, 2, 3, 5, 8, 40)}
+    assert {total: forwards(total)[0] for total in predicted} == predicted
+    assert len(set(predicted.values())) > 1  # some smaller tree stopped early
 
 
 def test_a_tree_of_top_k_1_is_the_greedy_chain_drafted_step_by_step():
