@@ -219,7 +219,7 @@ def draft_tree(
     frontier_hidden = hidden.expand(batch, frontier.shape[1], -1)
     frontier_ancestry = torch.zeros(batch, frontier.shape[1], 0, dtype=torch.bool, device=device)
     pool_size = scores.shape[1]
-    kept = scores.topk(min(total_tokens, pool_size), dim=-1).values  # each row's best pool scores so far
+    kept = scores  # each row's best pool scores so far, best first (top-k is capped at the tree's size)
     frontier_ranks = []  # per level: how many kept scores beat its best node (a tree of n tokens drafts it iff < n)
     for level in range(1, depth):
         frontier_ranks.append((kept > frontier_scores[:, :1]).sum(dim=1))

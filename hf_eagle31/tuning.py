@@ -527,9 +527,9 @@ def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: li
         report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes,
                                          pack=report.pack_weights)
     if sampling_temperature is not None:
-        sampled, frontier = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth,
-                                               max_tokens, sampling_temperature)
-        report.sampling = sampling_tuning(report.as_dict(), sampled, sampling_temperature, frontier)
+        sampled, sampled_frontier = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth,
+                                                       max_tokens, sampling_temperature)
+        report.sampling = sampling_tuning(report.as_dict(), sampled, sampling_temperature, sampled_frontier)
     apply_choice(drafter, report)
     return report
 
