@@ -370,7 +370,8 @@ def choose_tree_shape(
 
 def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, dict[int, float]],
                     ranks_by_top_k: dict[int, list[list[int]]], plain_seconds: float,
-                    call_seconds: float = 0.0, frontier_by_top_k: dict[int, list[list[int]]] | None = None) -> list[dict]:
+                    call_seconds: float = 0.0,
+                    frontier_by_top_k: dict[int, list[list[int]]] | None = None) -> list[dict]:
     """Predicted tau and speedup of every shape the costs cover: verify time per block size, draft time per step
     (`mean_draft_seconds`) and `call_seconds` once a call of `CALL_TOKENS` tokens (packing), against
     `plain_seconds` per plain decoding step."""
@@ -429,7 +430,8 @@ def mean_draft_seconds(draft_seconds: dict[int, dict[int, float]], top_k: int, n
 
 def calibrate_families(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],
                        max_new_tokens: int, top_ks, max_depth: int, max_tokens: int,
-                       temperature: float | None = None) -> tuple[dict[int, list[list[int]]], dict[int, list[list[int]]]]:
+                       temperature: float | None = None
+                       ) -> tuple[dict[int, list[list[int]]], dict[int, list[list[int]]]]:
     """`calibrate` each family (top_k) at its largest shape: a chain of `max_depth`, a tree of `max_tokens`; the
     accepted ranks and the frontier ranks by top_k."""
     runs = {k: calibrate(target, drafter, prompts, max_new_tokens, k, max_depth, max_depth if k == 1 else max_tokens,
