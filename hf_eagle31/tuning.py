@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -54,7 +55,7 @@ from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
 SAMPLING_TEMPERATURE = 1.0  # the temperature `sampling_shape` is calibrated at; it serves every sampling call
-TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain step, drafts in turn); each keeps its best
+TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain step, drafts in turn); each keeps its median
 CALL_TOKENS = 256  # new tokens of a typical call: what packing the weights once a call is spread over
 
 
@@ -337,9 +338,10 @@ def choose_tree_shape(
     mode = verify_mode(drafter)
     paths = verify_paths(target, drafter)
     layer_ids = drafter.config.target_layer_ids
-    # Why passes: a shared CPU drifts in speed over seconds and noise only adds time, so each cost's best over passes
-    # in different minutes keeps the curve's shape where one pass bends it (on the 2-core CPU tuning once picked a
-    # chain over a tree on a dip at one size); the costs in turn in each pass, so a slow minute slows them alike.
+    # Why passes: a shared CPU drifts in speed over seconds, both ways (a neighbour's load comes and goes), so each
+    # cost is its median over passes in different minutes: one pass's slow or fast minute at one size does not bend
+    # the curve (a best over passes once priced 13 tokens at 1.10 plain steps between 1.31 and 1.40 on the Xeon, and
+    # a 12-deep tree was chosen on it); the costs in turn in each pass.
     after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
     passes = []
     for _ in range(TUNING_ROUNDS):
@@ -352,13 +354,13 @@ def choose_tree_shape(
                                     for d in range(1, max_depth + 1)}
                                 for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))
-    plain = min(p[0][False][1] for p in passes)  # the default path's one-token forward: a plain step
+    plain = median(p[0][False][1] for p in passes)  # the default path's one-token forward: a plain step
     reports = []
     for pack in paths:
-        curve = {n: min(p[0][pack][n] for p in passes) for n in sizes}
-        drafts = {k: {d: min(p[1][pack][k][d] for p in passes) for d in depths}
+        curve = non_decreasing({n: median(p[0][pack][n] for p in passes) for n in sizes})
+        drafts = {k: non_decreasing({d: median(p[1][pack][k][d] for p in passes) for d in depths})
                   for k, depths in passes[0][1][pack].items()}
-        per_call = min(p[2] for p in passes) if pack else 0.0
+        per_call = median(p[2] for p in passes) if pack else 0.0
         candidates = rank_candidates(curve, drafts, ranks_by_top_k, plain, per_call, frontier_by_top_k)
         reports.append(TuningReport(curve, drafts, plain, candidates, ranks_by_top_k, frontier_by_top_k or {},
                                     pack_weights=pack, pack_seconds=per_call))
@@ -366,6 +368,16 @@ def choose_tree_shape(
     best = max(reports, key=lambda report: report.choice["speedup"])
     best.paths = paths_best
     return best
+
+
+def non_decreasing(costs: dict[int, float]) -> dict[int, float]:
+    """Each cost raised to the highest of those at smaller sizes: verifying more tokens or drafting more levels
+    does the same work and more, so a size measured below a smaller one was a fast minute, not a cheaper size,
+    and a shape must not be chosen for it."""
+    highest, out = 0.0, {}
+    for size in sorted(costs):
+        highest = out[size] = max(highest, costs[size])
+    return out
 
 
 def rank_candidates(verify_seconds: dict[int, float], draft_seconds: dict[int, dict[int, float]],
@@ -528,10 +540,9 @@ def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: li
     if batch_sizes:
         report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes,
                                          pack=report.pack_weights)
-    if sampling_temperature is not None:
-        sampled, sampled_frontier = calibrate_families(target, drafter, prompts, max_new_tokens, top_ks, max_depth,
-                                                       max_tokens, sampling_temperature)
-        report.sampling = sampling_tuning(report.as_dict(), sampled, sampling_temperature, sampled_frontier)
+    if sampling_temperature is not None:  # the same costs, the acceptance of sampling
+        report.sampling = tune_sampling(target, drafter, report.as_dict(), prompts, max_new_tokens,
+                                        sampling_temperature)["sampling"]
     apply_choice(drafter, report)
     return report
 

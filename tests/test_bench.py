@@ -259,6 +259,25 @@ def test_tuning_times_each_draft_tree_after_an_untimed_target_forward(monkeypatc
     assert 0 < max(t for per_depth in report.draft_seconds.values() for t in per_depth.values()) < 0.05
 
 
+def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller_one(monkeypatch):
+    """A shared CPU runs fast or slow for a minute: one pass's fast minute at one size must not price that size
+    below a smaller one (on the Xeon a best over passes priced 13 tokens under 12, and a 12-deep tree was chosen on
+    it), so each cost is its median over the passes, raised to the highest cost of the sizes below it."""
+    from hf_eagle31 import tuning
+
+    target, drafter = trained_pair("llama", True)
+    passes = iter([{1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4},  # the fast minute at 4 tokens: 0.8, then 1.0
+                   {1: 1.0, 2: 1.2, 3: 1.25, 4: 0.8, 5: 1.5},
+                   {1: 1.1, 2: 1.1, 3: 1.3, 4: 1.0, 5: 1.45}])
+    drafts = iter([0.3, 0.2, 0.1, 0.5, 0.25, 0.1])  # depths 1 and 2 in each pass (one width: a chain family)
+    monkeypatch.setattr(tuning, "verify_cost_curve", lambda *_, **__: next(passes))
+    monkeypatch.setattr(tuning, "draft_cost", lambda *_, **__: next(drafts))
+    monkeypatch.setattr(tuning, "verify_paths", lambda *_: (False,))
+    report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
+    assert report.verify_curve == {1: 1.0, 2: 1.1, 3: 1.25, 4: 1.25, 5: 1.45}
+    assert report.draft_seconds == {1: {1: 0.25, 2: 0.25}} and report.plain_seconds == 1.0
+
+
 @pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 @pytest.mark.parametrize("slow", ["packed", "default"])
 def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
