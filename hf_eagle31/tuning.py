@@ -55,7 +55,7 @@ from hf_eagle31.verification import VerifyPlan, verify_forward
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
 SAMPLING_TEMPERATURE = 1.0  # the temperature `sampling_shape` is calibrated at; it serves every sampling call
-TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain step, drafts in turn); each keeps its median
+TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain step, drafts in turn); medians kept
 CALL_TOKENS = 256  # new tokens of a typical call: what packing the weights once a call is spread over
 
 

@@ -266,7 +266,7 @@ def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller
     from hf_eagle31 import tuning
 
     target, drafter = trained_pair("llama", True)
-    passes = iter([{1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4},  # the fast minute at 4 tokens: 0.8, then 1.0
+    passes = iter([{1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4},  # 4 tokens: median 1.0, raised to 3 tokens' 1.25
                    {1: 1.0, 2: 1.2, 3: 1.25, 4: 0.8, 5: 1.5},
                    {1: 1.1, 2: 1.1, 3: 1.3, 4: 1.0, 5: 1.45}])
     drafts = iter([0.3, 0.2, 0.1, 0.5, 0.25, 0.1])  # depths 1 and 2 in each pass (one width: a chain family)
