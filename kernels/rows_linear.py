@@ -3,8 +3,8 @@
 Why: on a CPU a verify forward multiplies 2-16 rows by every weight of the target, and a step is bound by
 streaming the weights. torch's fp32 path (MKL) costs ~2 one-row products for 8 rows and oneDNN's packed
 weights ~1.5 on a 2-core Xeon, since both compute the rows while the memory waits; this kernel reads each
-weight once for up to 16 rows and prefetches the next while it multiplies (~1.4 one-row products for 8 rows;
-SmolLM2's compiled verify forward of 8 tokens 0.98 plain steps, 1.09 on oneDNN's; docs/benchmarks.md),
+weight once for up to 16 rows and prefetches the next into L2 while it multiplies (~1.0 one-row products for 2
+rows, ~1.2 for 8; SmolLM2's compiled verify forward of 8 tokens 0.89 plain steps, of 16 1.15; docs/benchmarks.md),
 on the weights as they are: nothing to pack, no second copy, and the target's own weights stay readable.
 It is compiled with torch's C++ extension builder (a C++ compiler and ninja) on a CPU with AVX-512, the
 first time a process asks for it (~22 s, then cached by torch); elsewhere `rows_kernel()` is False and the
