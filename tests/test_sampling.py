@@ -94,3 +94,21 @@ def test_the_test_rejects_a_wrong_distribution(eagle_samples):
     target, _, prompt, counts = eagle_samples
     p_value = goodness_of_fit(counts, exact_joint(target, prompt, TEMPERATURE * 1.25, TOP_K))
     assert p_value < ALPHA
+
+
+def test_a_tree_samples_the_very_tokens_the_target_alone_samples_with_the_same_seed():
+    """A tree is drafted greedily, and verification draws each position from the target's processed distribution
+    with one `multinomial`, as plain sampling does: so, seed for seed, the same text (a sampler that consumed the
+    random stream differently, or sampled from other probabilities, would drift at once)."""
+    target, drafter = trained_pair("llama", True, speculation_mode="tree", collapse_fallback=False)
+    accepted = 0
+    for seed in range(4):
+        outputs = []
+        for assistant in (None, drafter):
+            torch.manual_seed(seed)
+            outputs.append(target.generate(PROMPTS[seed : seed + 1], do_sample=True, temperature=TEMPERATURE,
+                                           top_k=TOP_K, top_p=None, max_new_tokens=24, assistant_model=assistant))
+        stats = drafter.speculation_stats
+        accepted += stats.speculative_tokens - stats.speculative_forwards
+        assert torch.equal(outputs[0], outputs[1]), f"seed {seed}: the tree sampled other tokens than the target"
+    assert accepted > 8, "draft tokens were rarely accepted: the acceptance path went untested"
