@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 from torch.nn.modules import module as torch_module
 from transformers import Cache, PreTrainedModel
@@ -35,7 +36,7 @@ from transformers.utils import output_capturing
 
 from hf_eagle31 import verification  # its `verify_forward` calls this module's forward (a cycle Python resolves)
 from hf_eagle31.kernels.tree_attention import grouped_attention
-from hf_eagle31.packing import one_product, packed_product
+from hf_eagle31.packing import one_product, packed_product, product_key
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,9 @@ def fits_step(cache: Cache, plan) -> bool:
 
 def product_keys(model: nn.Module) -> list[int]:
     """Each layer's four packed products (q/k/v, o, gate/up, down), in order, as `packing.packed_product`'s keys:
-    what `_decoder` multiplies by. A key is the first member's id (`fits` checked that each projection leads its
-    product), the same at every packing, so that traced once it is a constant of the compiled graph."""
-    return [id(linear) for layer in model.layers[: model.config.num_hidden_layers]
+    what `_decoder` multiplies by. A key is the first member's `product_key` (`fits` checked that each projection leads
+    its product), the same at every packing, so that traced once it is a constant of the compiled graph."""
+    return [product_key(linear) for layer in model.layers[: model.config.num_hidden_layers]
             for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
 
 
@@ -275,8 +276,8 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
     inputs = x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
     if room.compiled and n > 1:  # one graph for every block size, none that equal another size by chance
-        try:
-            with fx_config.patch(use_duck_shape=False):
+        try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (~30 s)
+            with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 x, features = compiled_decoder()(model, None, *inputs)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("compile_verify=True: inductor could not compile the target's verify forward "

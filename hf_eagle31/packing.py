@@ -34,6 +34,7 @@ import contextlib
 import copy
 import ctypes
 import functools
+import itertools
 import threading
 import types
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ class PackedGroup:
     weight: torch.Tensor | None  # the members' weights stacked, packed; None where the rows kernel reads `members`
     bias: torch.Tensor | None
     sizes: list[int]  # each member's output features
-    key: int  # the first member's id: the same for every packing of a model, so a compiled graph can name it
+    key: int  # the first member's `product_key`: the same for every packing of a model, so a compiled graph can name it
     members: tuple[torch.Tensor, ...] = ()  # the members' own weights, for the rows kernel (`rows_layout`)
     pending: tuple | None = None  # (input, its version, the outputs not yet taken)
 
@@ -125,6 +126,22 @@ class PackedGroup:
 
 
 _PACKED_GROUPS: dict[int, PackedGroup] = {}  # key -> the group packed under it now, for `packed_product`
+_KEYS = itertools.count(1)
+
+
+def product_key(linear: nn.Module) -> int:
+    """The key of the packed product `linear` leads: a number drawn at its first packing and kept on the module, so
+    every packing of a model uses the same keys, and so does every process that packs its models in the same order.
+
+    Why: a compiled verify forward names its products by these keys, as constants (llama_verify.product_keys). With
+    the modules' ids as keys each process compiled another graph, and inductor's cache never found the last one
+    (SmolLM2: ~110 s at the first call of every process). A module copied (`copy.deepcopy`) draws its own key.
+    """
+    owner, key = vars(linear).get("product_key", (None, None))
+    if owner != id(linear):
+        key = next(_KEYS)
+        vars(linear)["product_key"] = (id(linear), key)
+    return key
 
 # A packed product as one opaque op, so that torch.compile traces around it (a packed weight is an mkldnn tensor,
 # which it cannot trace). Defined with `torch.library.Library`, not `custom_op`: a compiled graph calls it back
@@ -141,8 +158,8 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 
 def packed_product(key: int, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The product of the `PackedGroup` packed under `key` (its first member's id), under torch.compile the op
-    `hf_eagle31::packed_linear` (which runs this). A key is a module's id, not the group's, so a compiled graph holds
+    """The product of the `PackedGroup` packed under `key` (its first member's `product_key`), under torch.compile the
+    op `hf_eagle31::packed_linear` (which runs this). A key is a module's, not the group's, so a compiled graph holds
     it as a constant that names the weights of every later packing of the same model too (the graph is guarded on the
     model), and its C++ wrapper takes no Python int per product."""
     if torch.compiler.is_compiling():
@@ -394,11 +411,11 @@ def pack_linears(model: nn.Module) -> list[nn.Module]:
                 torch.cat([m.bias.detach() for m in members])
             sizes = [w.shape[0] for w in weights]
             if rows_layout(weights[0].dtype):
-                group = PackedGroup(None, bias, sizes, id(members[0]), tuple(w.contiguous() for w in weights))
+                group = PackedGroup(None, bias, sizes, product_key(members[0]), tuple(w.contiguous() for w in weights))
             else:
                 stacked = weights[0] if len(members) == 1 else torch.cat(weights)
                 group = PackedGroup(torch.ops.mkldnn._reorder_linear_weight(stacked, BATCH_HINT), bias, sizes,
-                                    id(members[0]))
+                                    product_key(members[0]))
             _PACKED_GROUPS[group.key] = group
             for index, module in enumerate(members):
                 swapped.append(module)  # first: whatever happens to it below, unpacking undoes

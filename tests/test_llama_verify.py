@@ -1,6 +1,9 @@
 """The lean verify forward of a Llama target (hf_eagle31/llama_verify.py) against transformers' own forward."""
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfi
 
 from hf_eagle31 import llama_verify
 from hf_eagle31.generation import eagle_verification
-from hf_eagle31.packing import can_pack, fast_bf16, packed_weights
+from hf_eagle31.packing import can_pack, fast_bf16, packed_product, packed_weights
 from hf_eagle31.verification import VerifyPlan, compact_cache, verify_forward
 
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
@@ -166,7 +169,7 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
     batch = target.generate(PROMPTS[2:5], attention_mask=mask, do_sample=False, max_new_tokens=20,
                             assistant_model=drafter)
     assert torch.equal(batch, target.generate(PROMPTS[2:5], attention_mask=mask, do_sample=False, max_new_tokens=20))
-    # the graph names each packed product by its layer's id: another target of the class gets a graph of its own
+    # the graph names each packed product by its layer's key: another target of the class gets a graph of its own
     other = copy.deepcopy(target)
     with torch.no_grad():
         for weight in other.parameters():
@@ -174,3 +177,44 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
     own = other.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24)
     assert not torch.equal(own, plain)  # the weights differ where it shows
     assert torch.equal(other.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24, assistant_model=drafter), own)
+
+
+KEYS_OF_A_FRESH_PROCESS = """
+import sys; sys.path.insert(0, sys.argv[1])
+from tiny_models import make_target, trained_pair
+from hf_eagle31 import llama_verify
+from hf_eagle31.packing import packed_weights
+target, drafter = trained_pair("llama")
+with packed_weights(drafter), packed_weights(target):
+    print(llama_verify.product_keys(target.model))
+"""
+
+
+def test_two_processes_name_the_products_alike_so_inductor_finds_the_graph_another_compiled():
+    """The compiled verify graph holds its products' keys as constants: keys that differ between processes (the
+    modules' ids) made every process compile the graph again (~110 s for SmolLM2) instead of loading it from
+    inductor's cache."""
+    keys = [subprocess.run([sys.executable, "-c", KEYS_OF_A_FRESH_PROCESS, str(Path(__file__).parent)], check=True,
+                           capture_output=True, text=True).stdout.strip().splitlines()[-1] for _ in range(2)]
+    assert keys[0] == keys[1]
+
+
+def test_a_copied_target_packed_beside_its_original_draws_keys_of_its_own():
+    """A copy carries the original's attributes, the key its products were registered under included: packed at once,
+    the two must not share a key, or the lean forward of one would multiply by the other's weights."""
+    target = make_target(seed=3)
+    with packed_weights(target):
+        pass  # its keys drawn
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        for weight in other.parameters():
+            weight.add_(0.05 * torch.randn_like(weight))
+    attention = target.model.layers[0].self_attn
+    x = torch.randn(3, attention.q_proj.in_features)
+    with torch.no_grad():
+        expected = torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1)
+        with packed_weights(target), packed_weights(other):
+            keys, other_keys = (llama_verify.product_keys(model.model) for model in (target, other))
+            got = packed_product(keys[0], x, expected.shape[-1])
+    assert not set(keys) & set(other_keys)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
