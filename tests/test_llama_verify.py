@@ -181,11 +181,11 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
 
 KEYS_OF_A_FRESH_PROCESS = """
 import sys; sys.path.insert(0, sys.argv[1])
-from tiny_models import trained_pair
+from tiny_models import make_target
 from hf_eagle31 import llama_verify
 from hf_eagle31.packing import packed_weights
-target, drafter = trained_pair("llama")
-with packed_weights(drafter), packed_weights(target):
+target = make_target()
+with packed_weights(target):
     print(llama_verify.product_keys(target.model))
 """
 
