@@ -40,6 +40,15 @@ def both_forwards(target, prompts, attention_mask):
     return results
 
 
+def perturbed_copy(target):
+    """Another target of the same class, carrying the original's module attributes, with other weights."""
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        for weight in other.parameters():
+            weight.add_(0.05 * torch.randn_like(weight))
+    return other
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v with biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tied", [False, True])
@@ -170,10 +179,7 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
                             assistant_model=drafter)
     assert torch.equal(batch, target.generate(PROMPTS[2:5], attention_mask=mask, do_sample=False, max_new_tokens=20))
     # the graph names each packed product by its layer's key: another target of the class gets a graph of its own
-    other = copy.deepcopy(target)
-    with torch.no_grad():
-        for weight in other.parameters():
-            weight.add_(0.05 * torch.randn_like(weight))
+    other = perturbed_copy(target)
     own = other.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24)
     assert not torch.equal(own, plain)  # the weights differ where it shows
     assert torch.equal(other.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24, assistant_model=drafter), own)
@@ -205,10 +211,7 @@ def test_a_copied_target_packed_beside_its_original_draws_keys_of_its_own():
     target = make_target(seed=3)
     with packed_weights(target):
         pass  # its keys drawn
-    other = copy.deepcopy(target)
-    with torch.no_grad():
-        for weight in other.parameters():
-            weight.add_(0.05 * torch.randn_like(weight))
+    other = perturbed_copy(target)
     attention = target.model.layers[0].self_attn
     x = torch.randn(3, attention.q_proj.in_features)
     with torch.no_grad():
