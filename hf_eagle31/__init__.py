@@ -5,6 +5,8 @@ EAGLE heads saved by other projects (`modeling.route_auto_classes`), and routes
 `generate(assistant_model=<EAGLE drafter>)` to EAGLE decoding (see `hf_eagle31.generation`).
 """
 
+from hf_eagle31 import compat  # noqa: F401  (first: refuses an untested transformers by name before anything else meets it)
+
 from transformers import AutoConfig, AutoModel
 
 from hf_eagle31.configuration import Eagle3Config

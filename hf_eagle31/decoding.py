@@ -39,6 +39,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_eagle31 import llama_verify
+from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
@@ -199,7 +200,7 @@ def eagle_decoding(
     batch_size = input_ids.shape[0]
     check_batch(model, batch_size, generation_config, streamer)
     layer_ids = drafter.config.target_layer_ids
-    cache = model_kwargs["past_key_values"]
+    cache = model_kwargs[CACHE_KWARG]
     do_sample = bool(generation_config.do_sample)
     stats = SpeculationStats(mode=speculation.mode)
     drafter.speculation_stats = stats
@@ -228,7 +229,7 @@ def eagle_decoding(
     key_mask = attention_mask.bool()  # [B, cached]: False for a pad, later also for a hole
     prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(~key_mask, 0)
     out = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=prompt_positions[:, start:],
-                past_key_values=cache, use_cache=True, output_hidden_states=capture_request(layer_ids), logits_to_keep=1)
+                use_cache=True, **{CACHE_KWARG: cache}, output_hidden_states=capture_request(layer_ids), logits_to_keep=1)
     features = select_features(out.hidden_states, layer_ids)
     rows, state = [], DrafterState(drafter, batch_size)
     for b in range(batch_size):
@@ -328,7 +329,7 @@ def eagle_decoding(
         sequences=sequences,
         scores=tuple(scores_out) if scores_out is not None else None,
         logits=tuple(logits_out) if logits_out is not None else None,
-        past_key_values=cache if batch_size == 1 else None,  # a batch's cache holds holes and only its last rows
+        **{CACHE_KWARG: cache if batch_size == 1 else None},  # a batch's cache holds holes and only its last rows
     )
 
 

@@ -19,6 +19,7 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel, Static
 from transformers.generation import GenerationMixin
 
 from hf_eagle31 import llama_verify
+from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_ids
 from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.decoding import Speculation, eagle_decoding
@@ -238,7 +239,7 @@ def check_inputs(target: PreTrainedModel, input_ids: torch.Tensor, generation_co
         raise ValueError("EAGLE decoding needs the KV cache: use_cache=False is not supported")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("EAGLE decoding needs token ids (the drafter embeds them): pass input_ids, not inputs_embeds")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     static = generation_config.cache_implementation == "static" or isinstance(cache, StaticCache)
     if generation_config.cache_implementation not in (None, "dynamic", "static") or (
             cache is not None and not isinstance(cache, DynamicCache | StaticCache)):

@@ -46,7 +46,7 @@ class Eagle3DraftOutput(ModelOutput):
 
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
-    past_key_values: Cache | None = None
+    cache: Cache | None = None
 
 
 class Eagle3Attention(nn.Module):
@@ -71,7 +71,7 @@ class Eagle3Attention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None,
+        cache: Cache | None,
         tail_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, length = hidden_states.shape[:2]
@@ -83,8 +83,8 @@ class Eagle3Attention(nn.Module):
         rotated = rotated * cos + rotate_half(rotated) * sin  # queries and keys turned at once (transformers' formula)
         query, key = rotated[:, :, :queries].transpose(1, 2), rotated[:, :, queries:].transpose(1, 2)
         value = heads[:, :, rotated.shape[2] :].transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         out = tree_attention(query, key, value, tail_mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -113,13 +113,13 @@ class Eagle3DecoderLayer(nn.Module):
         embeds: torch.Tensor,
         features: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None,
+        cache: Cache | None,
         tail_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         normed = self.hidden_norm(features)
         residual = normed if self.norm_before_residual else features
         attn_in = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        hidden = residual + self.self_attn(attn_in, position_embeddings, past_key_values, tail_mask)
+        hidden = residual + self.self_attn(attn_in, position_embeddings, cache, tail_mask)
         return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden))
 
 
@@ -139,10 +139,10 @@ class StackedDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None,
+        cache: Cache | None,
         tail_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_embeddings, past_key_values, tail_mask)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_embeddings, cache, tail_mask)
         return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden))
 
 
@@ -306,7 +306,7 @@ class Eagle3DraftModel(PreTrainedModel):
         input_ids: torch.LongTensor,
         hidden_states: torch.Tensor,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         tail_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         logits_at: torch.Tensor | None = None,
@@ -318,7 +318,7 @@ class Eagle3DraftModel(PreTrainedModel):
             hidden_states: `[batch, n, k * target_hidden_size]` features of the k captured target layers, or
                 `[batch, n, hidden_size]` states fed back from a previous draft step.
             position_ids: `[batch, n]`; defaults to continuing after the cache.
-            past_key_values: the drafter's own cache (a transformers `Cache`), updated in place.
+            cache: the drafter's own cache (a transformers `Cache`), updated in place.
             tail_mask: `[n, m]` bool visibility of the last `m` cache entries (see `tree_attention`);
                 `None` is causal.
             logits_to_keep: compute logits for the last this many positions only (0: all). Catching
@@ -342,18 +342,18 @@ class Eagle3DraftModel(PreTrainedModel):
                 "`drafter.set_target_embedding(target.get_input_embeddings())` first (generate() does this)."
             )
         if position_ids is None:
-            start = past_key_values.get_seq_length() if past_key_values is not None else 0
+            start = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
         embeds = embedding(input_ids).to(hidden_states.dtype)
         position_embeddings = self.rotary_at(hidden_states, position_ids)
-        hidden = self.midlayer(embeds, hidden_states, position_embeddings, past_key_values, tail_mask)
+        hidden = self.midlayer(embeds, hidden_states, position_embeddings, cache, tail_mask)
         for layer in self.layers.values():
-            hidden = layer(hidden, position_embeddings, past_key_values, tail_mask)
+            hidden = layer(hidden, position_embeddings, cache, tail_mask)
         normed = self.norm(hidden)
         return Eagle3DraftOutput(
             logits=self.lm_head(normed[logits_at] if logits_at is not None else normed[:, -logits_to_keep:]),
             hidden_states=normed if self.config.norm_output else hidden,
-            past_key_values=past_key_values,
+            cache=cache,
         )
 
 

@@ -40,6 +40,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hf_eagle31 import llama_verify
+from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
 from hf_eagle31.generation import (
     compiles_verify,
@@ -110,7 +111,7 @@ def verify_cost_curve(
     costs = {}
     with eagle_verification(target), packed_weights(target, pack):
         cache = DynamicCache(config=target.config)
-        target(prompt, past_key_values=cache)
+        target(prompt, **{CACHE_KWARG: cache})
         lean = llama_verify.room_for(target, compiled)
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
@@ -215,7 +216,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     with eagle_verification(target):
         for batch in batch_sizes:
             cache = DynamicCache(config=target.config)
-            target(torch.randint(3, vocab, (batch, context), device=device), past_key_values=cache)
+            target(torch.randint(3, vocab, (batch, context), device=device), **{CACHE_KWARG: cache})
             plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
             with packed_weights(target, pack), packed_weights(drafter, pack):
                 # as decoding does: the lean forward on this call's own packing

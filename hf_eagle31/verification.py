@@ -36,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from hf_eagle31 import llama_verify
+from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.drafting import DraftTree, truncate_cache
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import fold_mask, grouped_attention, tree_attention
@@ -404,7 +405,7 @@ def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, toke
         return llama_verify.llama_verify_forward(target, cache, lean, plan, tokens, positions, target_layer_ids)
     cache.activate_past_recording()
     total = static_capacity(cache) or int(cache.get_seq_length()) + tokens.shape[1]
-    inputs = dict(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True,
+    inputs = dict(input_ids=tokens, position_ids=positions, **{CACHE_KWARG: cache}, use_cache=True,
                   attention_mask=plan.layer_mask(total)[:, None],  # 4D: transformers passes it on (and builds no mask)
                   output_hidden_states=capture_request(target_layer_ids))
     out = compiled(**inputs) if compiled is not None else target(**inputs, eagle_verify_plan=plan)

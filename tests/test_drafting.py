@@ -29,9 +29,9 @@ def path_log_probs(drafter, features, tokens, path):
     out = drafter(tokens, features)
     hidden, logits = out.hidden_states[:, -1:], out.logits[:, -1:]
     cache = DynamicCache()
-    drafter(tokens, features, past_key_values=cache)
+    drafter(tokens, features, cache=cache)
     for token in path:
-        out = drafter(torch.tensor([[token]]), hidden, past_key_values=cache)
+        out = drafter(torch.tensor([[token]]), hidden, cache=cache)
         hidden, logits = out.hidden_states, out.logits
     return torch.log_softmax(logits[0, -1].float(), -1)
 

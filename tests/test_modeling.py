@@ -186,7 +186,7 @@ def test_a_cached_step_of_a_stacked_drafter_equals_the_full_forward():
     with torch.no_grad():
         full = drafter(ids, features).logits
         cache = transformers.DynamicCache()
-        drafter(ids[:, :6], features[:, :6], past_key_values=cache)
+        drafter(ids[:, :6], features[:, :6], cache=cache)
         assert len(cache.layers) == 3
-        step = drafter(ids[:, 6:], features[:, 6:], past_key_values=cache).logits
+        step = drafter(ids[:, 6:], features[:, 6:], cache=cache).logits
     torch.testing.assert_close(step, full[:, 6:], atol=1e-5, rtol=1e-5)

@@ -29,9 +29,9 @@ def two_steps(drafter: Eagle3DraftModel, reference: dict[str, torch.Tensor]) -> 
     cache, positions = DynamicCache(), reference["position_ids"]
     tail = torch.cat([torch.ones(n, n, dtype=torch.bool).tril(), torch.eye(n, dtype=torch.bool)], dim=1)
     with torch.no_grad():
-        first = drafter(reference["input_ids"], reference["features"], position_ids=positions, past_key_values=cache)
+        first = drafter(reference["input_ids"], reference["features"], position_ids=positions, cache=cache)
         second = drafter(reference["next_ids"], first.hidden_states, position_ids=positions + 1,
-                         past_key_values=cache, tail_mask=tail)
+                         cache=cache, tail_mask=tail)
     return first.logits, second.logits
 
 

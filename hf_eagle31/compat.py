@@ -1,0 +1,47 @@
+"""The transformers releases this package is tested on, and the one name that differs between them.
+
+CI runs the suite on the newest release and the routing, decoding, modeling and layout tests on the
+oldest (`requirements-dev.txt`, `requirements-oldest.txt`); `pyproject.toml` admits exactly that range.
+The routing wraps private `GenerationMixin` methods, which transformers changes between minor
+releases, so a newer release is warned about at import and an older one refused.
+
+What changed inside the range is read from transformers itself, not from its version number:
+from 5.24 the KV cache is passed and returned as `cache` (before, `past_key_values`);
+`ALL_CACHE_NAMES[0]` is the name `generate` itself uses. (5.23's change to what an
+`output_hidden_states` index means is in features.py.)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import transformers
+from packaging.version import Version
+
+OLDEST_TRANSFORMERS = "5.17.0"  # requirements-oldest.txt
+NEWEST_TRANSFORMERS = "5.24.0"  # requirements-dev.txt; pyproject's bound is the next minor, exclusive
+
+
+class UntestedTransformersWarning(UserWarning):
+    """transformers is newer than the newest release CI tested this package on."""
+
+
+def check_transformers(installed: str = transformers.__version__) -> None:
+    """Refuse a transformers older than the tested range by name; warn (once, at import) about a newer one."""
+    newest = Version(NEWEST_TRANSFORMERS)
+    tested = f"transformers {OLDEST_TRANSFORMERS} to {newest.major}.{newest.minor}.x"
+    version = Version(installed)
+    if version < Version(OLDEST_TRANSFORMERS):
+        raise ImportError(f"hf_eagle31 needs {tested}; transformers {installed} is installed. "
+                          f"Upgrade it: pip install 'transformers>={OLDEST_TRANSFORMERS},<{newest.major}.{newest.minor + 1}'")
+    if version.release[:2] > newest.release[:2]:
+        warnings.warn(f"hf_eagle31 is tested on {tested}; transformers {installed} is newer and may have changed the "
+                      f"generation internals EAGLE routing relies on. If generate() fails, install "
+                      f"'transformers<{newest.major}.{newest.minor + 1}'.", UntestedTransformersWarning, stacklevel=2)
+
+
+check_transformers()
+
+from transformers.generation.utils import ALL_CACHE_NAMES  # noqa: E402  (after the check: it names a bad version)
+
+CACHE_KWARG: str = ALL_CACHE_NAMES[0]  # "cache" from transformers 5.24, "past_key_values" before
