@@ -29,6 +29,7 @@ demo: $(VENV)/.installed
 
 # pytest exits 5 when it collects no tests; that is not a failure.
 test: $(VENV)/.installed $(OLDEST)/.installed
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider tests || [ $$? -eq 5 ]
 	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(RANGE_TESTS)
 

@@ -159,7 +159,7 @@ def add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_upgrade(args: argparse.Namespace, drafter: Eagle3DraftModel, out_dir: str | Path) -> Eagle3DraftModel:
     """`hf-eagle31 convert ... --upgrade`: upgrade the converted `drafter` into `out_dir` and print the acceptance."""
-    from hf_eagle31.training.command import load_target
+    from hf_eagle31.packaged import load_target
 
     if not (args.target and args.data):
         raise ValueError("--upgrade needs --target (the target model) and --data (prompts to calibrate and fine-tune on)")

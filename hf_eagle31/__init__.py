@@ -5,14 +5,15 @@ EAGLE heads saved by other projects (`modeling.route_auto_classes`), and routes
 `generate(assistant_model=<EAGLE drafter>)` to EAGLE decoding (see `hf_eagle31.generation`).
 """
 
-from hf_eagle31 import compat  # noqa: F401  (first: refuses an untested transformers by name before anything else meets it)
+# first: an untested transformers is refused by name before anything else meets it
+from hf_eagle31 import compat  # noqa: F401
 
 from transformers import AutoConfig, AutoModel
 
 from hf_eagle31.configuration import Eagle3Config
-from hf_eagle31.generation import drafting_dtype, install
+from hf_eagle31.generation import drafting_dtype, fast_decoding, install
 from hf_eagle31.modeling import Eagle3DraftModel, route_auto_classes
-from hf_eagle31.packing import packed_weights
+from hf_eagle31.backends.cpu.products import packed_weights
 from hf_eagle31.stats import SpeculationStats
 
 AutoConfig.register(Eagle3Config.model_type, Eagle3Config)
@@ -21,4 +22,4 @@ route_auto_classes()
 install()
 
 __version__ = "0.1.0"
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats", "drafting_dtype", "packed_weights"]
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats", "drafting_dtype", "fast_decoding", "packed_weights"]

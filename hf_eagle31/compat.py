@@ -31,9 +31,10 @@ def check_transformers(installed: str = transformers.__version__) -> None:
     newest = Version(NEWEST_TRANSFORMERS)
     tested = f"transformers {OLDEST_TRANSFORMERS} to {newest.major}.{newest.minor}.x"
     version = Version(installed)
+    supported = f"transformers>={OLDEST_TRANSFORMERS},<{newest.major}.{newest.minor + 1}"
     if version < Version(OLDEST_TRANSFORMERS):
         raise ImportError(f"hf_eagle31 needs {tested}; transformers {installed} is installed. "
-                          f"Upgrade it: pip install 'transformers>={OLDEST_TRANSFORMERS},<{newest.major}.{newest.minor + 1}'")
+                          f"Upgrade it: pip install '{supported}'")
     if version.release[:2] > newest.release[:2]:
         warnings.warn(f"hf_eagle31 is tested on {tested}; transformers {installed} is newer and may have changed the "
                       f"generation internals EAGLE routing relies on. If generate() fails, install "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedConfig
@@ -23,13 +24,97 @@ SPECULATION_DEFAULTS: dict[str, Any] = {
     # the tree mask), "kernel" (the Triton tree-attention kernel on CUDA) or "exact" (bit-identical
     # to one-token decoding on any device, at a higher verify cost)
     "verify_mode": "batched",
-    # on a CPU, the target's linear weights in oneDNN's packed layout while EAGLE decodes (packing.py):
-    # verifying a few tokens then costs about one plain step; not with "exact" verification
+    # on a CPU, the CPU backend (hf_eagle31/backends/cpu): products for a few rows at the memory's rate, held beside
+    # the models; verifying a few tokens then costs about one plain step; not with "exact" verification
     "pack_weights": True,
-    # with packed weights on a CPU, a Llama-family target's verify forward compiled by inductor (llama_verify.py):
-    # 10-16% cheaper, after a first call that compiles for 1-2 minutes (then ~25 s in each new process)
+    # on the CPU backend, a Llama-family target's verify forward compiled by inductor (backends/cpu/lean.py):
+    # 10-16% cheaper, after a first call that compiles for 1-2 minutes (then ~20 s in each new process)
     "compile_verify": False,
 }
+
+
+POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k": 64, "tree_total_tokens": 1024,
+                     "max_speculation_depth": 64, "verify_chunk_depth": 64}  # name -> largest value accepted
+VERIFY_MODES = ("batched", "kernel", "exact")
+CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES}
+SWITCHES = ("dynamic_speculation", "collapse_fallback", "pack_weights", "compile_verify")
+
+
+def _checked(config, name: str) -> Any:
+    """One setting from a generation config (the default when unset), checked: a misspelt mode or an impossible
+    size is named here, not met as a wrong mode or a torch error later."""
+    value = getattr(config, name, None)
+    if value is None and not (name in CHOICES and name in vars(config)):  # unset (a mode set to None is an error)
+        return SPECULATION_DEFAULTS[name]
+    if name in CHOICES and value not in CHOICES[name]:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, CHOICES[name]))}, got {value!r}")
+    if name in POSITIVE_SETTINGS and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= POSITIVE_SETTINGS[name]):
+        raise ValueError(f"{name} must be an integer from 1 to {POSITIVE_SETTINGS[name]}, got {value!r}")
+    if name in SWITCHES and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TunedShape:
+    """A draft shape tuning chose for one kind of call (hf_eagle31.tuning), and the speedup it predicted for it;
+    saved in the drafter's generation config as a dict of these fields."""
+
+    tree_top_k: int  # 1: a chain
+    tree_depth: int
+    tree_total_tokens: int
+    speedup: float  # below 1: no shape pays for this kind of call, which then decodes without drafting
+
+    @classmethod
+    def parse(cls, value: Any, name: str) -> TunedShape | None:
+        if value is None:
+            return None
+        sizes = ("tree_top_k", "tree_depth", "tree_total_tokens")
+        if not (isinstance(value, dict) and all(isinstance(value.get(size), int) and value[size] >= 1 for size in sizes)
+                and isinstance(value.get("speedup"), (int, float))):
+            raise ValueError(f"{name} holds {value!r}; a tuned shape is a dict of positive integers tree_top_k, "
+                             "tree_depth and tree_total_tokens and a predicted speedup (see hf_eagle31.tuning), "
+                             f"or set {name} to None")
+        return cls(*(value[size] for size in sizes), float(value["speedup"]))
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """How a drafter speculates, read once from its generation config (where the settings are saved with it) and
+    checked there. Every `generate` call, `from_pretrained`, tuning and the command read them through this.
+    The defaults and their meanings: `SPECULATION_DEFAULTS` and the README's settings table."""
+
+    speculation_mode: str
+    num_assistant_tokens: int
+    tree_depth: int  # with dynamic_speculation, the depth drafting starts at (then moved within 1..max)
+    tree_top_k: int
+    tree_total_tokens: int
+    dynamic_speculation: bool
+    max_speculation_depth: int
+    collapse_fallback: bool
+    verify_chunk_depth: int | None
+    verify_mode: str
+    pack_weights: bool
+    compile_verify: bool
+    sampling_shape: TunedShape | None = None  # tuned for do_sample=True with one prompt
+    batch_shapes: dict[int, TunedShape] = field(default_factory=dict)  # tuned per batch size
+
+    @classmethod
+    def of(cls, config) -> SpeculationSettings:
+        """The settings a generation config holds (defaults where unset), each checked."""
+        shapes = getattr(config, "batch_shapes", None) or {}
+        return cls(**{name: _checked(config, name) for name in SPECULATION_DEFAULTS},
+                   sampling_shape=TunedShape.parse(getattr(config, "sampling_shape", None), "sampling_shape"),
+                   batch_shapes={int(size): TunedShape.parse(shape, "batch_shapes") for size, shape in shapes.items()})
+
+    def tuned_shape(self, batch_size: int, do_sample: bool) -> TunedShape | None:
+        """The shape tuning chose for this kind of call: for the largest tuned batch size up to `batch_size`, or for
+        sampling one row; None: the drafter's own chain or tree settings."""
+        if batch_size == 1:
+            return self.sampling_shape if do_sample else None
+        fitting = [size for size in self.batch_shapes if size <= batch_size]
+        return self.batch_shapes[max(fitting)] if fitting else None
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:

@@ -26,9 +26,10 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import Cache, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import (
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
@@ -38,26 +39,18 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_eagle31 import llama_verify
+from hf_eagle31.acceptance import accept_or_resample, children_by_token, pick_token, walk
+from hf_eagle31.cache import compact_cache, draft_room
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
-from hf_eagle31.verification import (
-    UnsupportedTargetError,
-    VerifyPlan,
-    accept_or_resample,
-    children_by_token,
-    compact_cache,
-    has_sliding_window,
-    pick_token,
-    static_capacity,
-    subtree,
-    verify_forward,
-    walk,
-)
+from hf_eagle31.verification import UnsupportedTargetError, VerifyPlan, has_sliding_window, subtree
+
+if TYPE_CHECKING:  # the routing hands the loop a backend's `Prepared`; the loop imports no backend
+    from hf_eagle31.backends import Prepared
 
 
 @dataclass
@@ -73,7 +66,14 @@ class Speculation:
     verify_mode: str  # VerifyPlan's mode
     compiled: Callable | None = None  # the target's compiled call (static cache, compile_config)
     block_size: int = 0  # with `compiled`: every verify block padded to this many tokens, one graph per call
-    lean: llama_verify.CacheRoom | None = None  # the target's verify forwards skip transformers' module dispatch
+    prepared: Prepared | None = None  # the call's device backend: its verify forward and the drafter's products
+
+
+@dataclass
+class EagleGenerateOutput(GenerateDecoderOnlyOutput):
+    """`generate`'s output with `return_dict_in_generate=True`, with what speculation did in this call."""
+
+    speculation_stats: SpeculationStats | None = None
 
 
 @dataclass
@@ -160,183 +160,220 @@ def _block(trees: list[DraftTree], ancestors: list[torch.Tensor], blocks: list[t
     return tokens, positions, mask
 
 
-def draft_room(cache: Cache) -> int:
-    """How many draft nodes still fit after the root: a static cache holds `static_capacity` tokens, a dynamic one
-    grows."""
-    capacity = static_capacity(cache)
-    return 1 << 30 if capacity is None else capacity - int(cache.get_seq_length()) - 1
+class EagleLoop:
+    """One call's decoding, as named steps: `prefill`, then per step `draft`, `verify` (each row's `walk`),
+    `record`, `leave`; then `finish`. It holds the rows still decoding, the target's cache and which of its
+    entries each row sees (`key_mask`), the drafter's state and the call's statistics."""
 
+    def __init__(self, model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                 generation_config: GenerationConfig, drafter: Eagle3DraftModel | None, speculation: Speculation,
+                 streamer=None, **model_kwargs):
+        self.model, self.input_ids, self.drafter, self.speculation = model, input_ids, drafter, speculation
+        self.processors, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
+        self.config, self.model_kwargs = generation_config, model_kwargs
+        self.batch_size = input_ids.shape[0]
+        check_batch(model, self.batch_size, generation_config, streamer)
+        self.layer_ids = drafter.config.target_layer_ids if drafter is not None else []
+        self.cache = model_kwargs[CACHE_KWARG]
+        self.do_sample = bool(generation_config.do_sample)
+        self.stats = SpeculationStats(mode=speculation.mode)
+        if drafter is not None:
+            drafter.speculation_stats = self.stats
+        returns = generation_config.return_dict_in_generate
+        self.scores_out = [] if returns and generation_config.output_scores else None
+        self.logits_out = [] if returns and generation_config.output_logits else None
+        pad = generation_config._pad_token_tensor
+        self.pad = int(pad) if pad is not None else 0
+        self.rows: list[Row] = []
+        self.finished: list[Row] = []
+        self.state = None if drafter is None else DrafterState(drafter, self.batch_size,
+                                                               speculation.prepared.draft_products)
+        self.key_mask: torch.Tensor | None = None  # [B, cached]: False for a pad, later also for a hole
+        self.streamed = input_ids.shape[1]
 
-def _leave(rows: list[Row], finished: list[Row], cache: Cache, state: DrafterState, key_mask: torch.Tensor):
-    """Move the rows that stopped to `finished` and drop their cache rows; return the others and their key mask."""
-    keep = [b for b, row in enumerate(rows) if not row.stopped]
-    if len(keep) == len(rows):
-        return rows, key_mask
-    finished += [row for row in rows if row.stopped]
-    if keep:
-        index = torch.tensor(keep, dtype=torch.long, device=key_mask.device)
-        cache.batch_select_indices(index)
-        state.select(index)
-        key_mask = key_mask[index]
-    return [rows[b] for b in keep], key_mask
+    def run(self):
+        self.prefill()
+        while self.rows:
+            began = time.perf_counter()
+            trees, speculated = self.draft()
+            drafted = time.perf_counter()
+            steps = self.verify(trees)
+            self.record(trees, steps, speculated, began, drafted, time.perf_counter())
+            self.leave()
+        return self.finish()
 
-
-@torch.no_grad()
-def eagle_decoding(
-    model: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config: GenerationConfig,
-    drafter: Eagle3DraftModel,
-    speculation: Speculation,
-    streamer=None,
-    **model_kwargs,
-):
-    """Decode every row of `input_ids` with EAGLE drafts; the output equals plain `generate`'s, row for row.
-
-    Runs inside `eagle_verification(model)` (the `generate` routing takes care of it).
-    """
-    batch_size = input_ids.shape[0]
-    check_batch(model, batch_size, generation_config, streamer)
-    layer_ids = drafter.config.target_layer_ids
-    cache = model_kwargs[CACHE_KWARG]
-    do_sample = bool(generation_config.do_sample)
-    stats = SpeculationStats(mode=speculation.mode)
-    drafter.speculation_stats = stats
-    returns = generation_config.return_dict_in_generate
-    scores_out = [] if returns and generation_config.output_scores else None
-    logits_out = [] if returns and generation_config.output_logits else None
-    pad = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
-
-    def emit(row: Row, logits: torch.Tensor, proposal: tuple[int, torch.Tensor] | None = None) -> tuple[int, bool]:
+    def emit(self, row: Row, logits: torch.Tensor,
+             proposal: tuple[int, torch.Tensor] | None = None) -> tuple[int, bool]:
         """Pick the row's next token from its raw logits `[V]` as plain `generate` does (a sampled chain's drafted
         token is accepted against its `proposal`, which draws from the same distribution), and record it."""
         scores = row.processors(row.sequence, logits[None])
-        token = pick_token(scores, do_sample) if proposal is None else accept_or_resample(scores, *proposal)
+        token = pick_token(scores, self.do_sample) if proposal is None else accept_or_resample(scores, *proposal)
         row.sequence = torch.cat([row.sequence, token.to(row.sequence.device)], dim=1)
         row.position += 1
-        if scores_out is not None:
-            scores_out.append(scores)
-        if logits_out is not None:
-            logits_out.append(logits[None])
-        return int(token), bool(stopping_criteria(row.sequence, scores).any())
+        if self.scores_out is not None:
+            self.scores_out.append(scores)
+        if self.logits_out is not None:
+            self.logits_out.append(logits[None])
+        return int(token), bool(self.stopping_criteria(row.sequence, scores).any())
 
-    start = int(cache.get_seq_length())
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    key_mask = attention_mask.bool()  # [B, cached]: False for a pad, later also for a hole
-    prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(~key_mask, 0)
-    out = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=prompt_positions[:, start:],
-                use_cache=True, **{CACHE_KWARG: cache}, output_hidden_states=capture_request(layer_ids), logits_to_keep=1)
-    features = select_features(out.hidden_states, layer_ids)
-    rows, state = [], DrafterState(drafter, batch_size)
-    for b in range(batch_size):
-        row = Row(b, row_processors(logits_processor, b), input_ids[b : b + 1], int(key_mask[b].sum()),
-                  SpeculationStats(mode=speculation.mode))
-        token, row.stopped = emit(row, out.logits[b, -1].float())
-        real = key_mask[b, start:]
-        state.push(features[b : b + 1, real.to(features.device)], row.sequence[:, start + 1 :][:, real], b)
-        rows.append(row)
-    if batch_size > 1:
-        stats.per_row = [row.stats for row in rows]
-    streamed = _stream(streamer, rows, input_ids.shape[1])
-    finished: list[Row] = []
-    rows, key_mask = _leave(rows, finished, cache, state, key_mask)
+    def prefill(self) -> None:
+        """The prompts through the target (past what the cache holds); each row emits its first token, and the
+        drafter is queued the features of its real positions."""
+        input_ids, cache = self.input_ids, self.cache
+        start = int(cache.get_seq_length())
+        attention_mask = self.model_kwargs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.key_mask = attention_mask.bool()
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(~self.key_mask, 0)
+        out = self.speculation.prepared.forward(input_ids=input_ids[:, start:], attention_mask=attention_mask,
+                         position_ids=positions[:, start:], use_cache=True, **{CACHE_KWARG: cache},
+                         output_hidden_states=capture_request(self.layer_ids), logits_to_keep=1)
+        features = select_features(out.hidden_states, self.layer_ids)
+        for b in range(self.batch_size):
+            row = Row(b, row_processors(self.processors, b), input_ids[b : b + 1], int(self.key_mask[b].sum()),
+                      SpeculationStats(mode=self.speculation.mode))
+            _, row.stopped = self.emit(row, out.logits[b, -1].float())
+            real = self.key_mask[b, start:]
+            if self.state is not None:
+                self.state.push(features[b : b + 1, real.to(features.device)], row.sequence[:, start + 1 :][:, real],
+                                b)
+            self.rows.append(row)
+        if self.batch_size > 1:
+            self.stats.per_row = [row.stats for row in self.rows]
+        self.stream()
+        self.leave()
 
-    def verify(trees: list[DraftTree]) -> list[RowStep]:
-        """Verify every row's tree, chunk by chunk, and walk it; the cache keeps the walked nodes, the drafter is fed."""
-        nonlocal key_mask
+    def draft(self) -> tuple[list[DraftTree], bool]:
+        """Each row's draft tree (a root alone where drafting does not pay now or no room is left), and whether
+        this step speculates."""
+        speculation, room = self.speculation, draft_room(self.cache)
+        depth = min(draft_depth(speculation.controller.length, max(row.sequence.shape[1] for row in self.rows),
+                                self.config.max_length), room)
+        speculate = self.state is not None and speculation.monitor.should_speculate()
+        roots = torch.cat([row.sequence[0, -1:] for row in self.rows])
+        if not (speculate and depth > 0):
+            return [DraftTree.root_only(root) for root in roots], speculate
+        temperature = float(self.config.temperature or 1.0) if self.do_sample else None
+        return draft_tree(self.state, roots, depth, speculation.top_k, min(speculation.total_tokens, room),
+                          temperature), True
+
+    def verify(self, trees: list[DraftTree]) -> list[RowStep]:
+        """Verify every row's tree, chunk by chunk, and walk it; the cache keeps the walked nodes, the drafter is fed
+        their features. `[B]` trees in, what each row did out."""
+        speculation, cache = self.speculation, self.cache
         ancestors = [tree.ancestor_mask() for tree in trees]
         children = [children_by_token(tree) for tree in trees]
-        roots = [row.position - 1 for row in rows]  # each tree root's position
-        steps = [RowStep() for _ in rows]
+        roots = [row.position - 1 for row in self.rows]  # each tree root's position
+        steps = [RowStep() for _ in self.rows]
         empty = torch.zeros(0, dtype=torch.long, device=trees[0].tokens.device)
         while any(step.next_root is not None for step in steps):
             blocks = [empty if step.next_root is None else subtree(tree, step.next_root, speculation.chunk_depth)
                       for tree, step in zip(trees, steps)]
             fixed = speculation.compiled is not None and speculation.block_size - 1 <= draft_room(cache)
-            tokens, positions, mask = _block(trees, ancestors, blocks, roots, pad, speculation.block_size if fixed else 0)
-            plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, key_mask, input_ids.shape[1], batch_size)
-            logits, block_features = verify_forward(model, cache, plan, tokens, positions, layer_ids,
-                                                    speculation.compiled if fixed else None, speculation.lean)
-            kept = []
-            for b, (row, block, step) in enumerate(zip(rows, blocks, steps)):
-                if step.next_root is None:
-                    kept.append(empty)
-                    continue
-                local = {node: i for i, node in enumerate(block.tolist())}
-                chunk = walk(children[b], step.next_root, lambda node, b=b, row=row, local=local:
-                             emit(row, logits[b, local[node]], trees[b].proposal(node)), local)
-                keep = torch.tensor([local[node] for node in chunk.nodes], device=empty.device)
-                kept.append(keep)
-                if not chunk.stopped:
-                    state.push(block_features[b : b + 1, keep], torch.tensor([chunk.tokens], device=empty.device), b)
-                row.stopped, step.next_root = chunk.stopped, chunk.next_root
-                step.nodes += chunk.nodes
-                step.tokens += chunk.tokens
-                step.forwards += 1
-            key_mask = torch.cat([key_mask, compact_cache(cache, plan.cached, kept).to(key_mask.device)], dim=1)
+            tokens, positions, mask = _block(trees, ancestors, blocks, roots, self.pad,
+                                             speculation.block_size if fixed else 0)
+            plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, self.key_mask, self.input_ids.shape[1],
+                                        self.batch_size)
+            logits, features = speculation.prepared.verify(cache, plan, tokens, positions,
+                                                           speculation.compiled if fixed else None)
+            kept = [empty if step.next_root is None else
+                    self.walk(b, trees[b], children[b], step, block, logits[b],
+                              None if features is None else features[b : b + 1])
+                    for b, (step, block) in enumerate(zip(steps, blocks))]
+            real = compact_cache(cache, plan.cached, kept).to(self.key_mask.device)
+            self.key_mask = torch.cat([self.key_mask, real], dim=1)
         return steps
 
-    controller, monitor = speculation.controller, speculation.monitor
-    while rows:
-        began = time.perf_counter()
-        room = draft_room(cache)
-        depth = min(draft_depth(controller.length, max(row.sequence.shape[1] for row in rows),
-                                generation_config.max_length), room)
-        speculate = monitor.should_speculate()
-        roots = torch.cat([row.sequence[0, -1:] for row in rows])
-        if speculate and depth > 0:
-            trees = draft_tree(state, roots, depth, speculation.top_k, min(speculation.total_tokens, room),
-                               float(generation_config.temperature or 1.0) if do_sample else None)
-        else:
-            trees = [DraftTree.root_only(root) for root in roots]
-        drafted = time.perf_counter()
-        steps = verify(trees)
-        done = time.perf_counter()
-        if speculate:
-            for row, tree, step in zip(rows, trees, steps):
+    def walk(self, b: int, tree: DraftTree, children: list[dict[int, int]], step: RowStep, block: torch.Tensor,
+             logits: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """Row `b`'s acceptance walk over the verified `block` of its tree (`logits` `[n, V]`, `features`
+        `[1, n, 3 H_t]`); returns the indices in the block of the walked nodes, whose cache entries stay."""
+        row = self.rows[b]
+        local = {node: i for i, node in enumerate(block.tolist())}
+        chunk = walk(children, step.next_root, lambda node: self.emit(row, logits[local[node]], tree.proposal(node)),
+                     local)
+        keep = torch.tensor([local[node] for node in chunk.nodes], device=tree.tokens.device)
+        if not chunk.stopped and self.state is not None:
+            self.state.push(features[:, keep], torch.tensor([chunk.tokens], device=tree.tokens.device), b)
+        row.stopped, step.next_root = chunk.stopped, chunk.next_root
+        step.nodes += chunk.nodes
+        step.tokens += chunk.tokens
+        step.forwards += 1
+        return keep
+
+    def record(self, trees: list[DraftTree], steps: list[RowStep], speculated: bool, began: float, drafted: float,
+               done: float) -> None:
+        """The step into the statistics, the depth controller and the collapse monitor; new tokens to the streamer."""
+        stats, monitor = self.stats, self.speculation.monitor
+        if speculated:
+            for row, tree, step in zip(self.rows, trees, steps):
                 path = step.nodes[1:]
-                for record in (stats,) if batch_size == 1 else (row.stats, stats):
-                    record.record_step(tree.depth, len(path), len(step.tokens), step.forwards, tree.ranks[path].tolist(),
-                                       tree.frontier_ranks.tolist())
+                for record in (stats,) if self.batch_size == 1 else (row.stats, stats):
+                    record.record_step(tree.depth, len(path), len(step.tokens), step.forwards,
+                                       tree.ranks[path].tolist(), tree.frontier_ranks.tolist())
             stats.draft_seconds += drafted - began
             stats.verify_seconds += done - drafted
             accepted = [len(step.nodes) - 1 for step in steps]
-            controller.update(max(tree.depth for tree in trees), round(sum(accepted) / len(accepted)))
-            monitor.record_speculative(sum(len(step.tokens) for step in steps) / len(rows), done - began,
+            self.speculation.controller.update(max(tree.depth for tree in trees), round(sum(accepted) / len(accepted)))
+            monitor.record_speculative(sum(len(step.tokens) for step in steps) / len(self.rows), done - began,
                                        done - drafted)
             stats.fallbacks = monitor.fallbacks
         else:
             stats.plain_steps += 1
             stats.plain_seconds += done - began
             monitor.record_plain(done - began)
-        streamed = _stream(streamer, rows, streamed)
-        rows, key_mask = _leave(rows, finished, cache, state, key_mask)
+        self.stream()
 
-    if streamer is not None:
-        streamer.end()
-    finished.sort(key=lambda row: row.index)
-    length = max(row.sequence.shape[1] for row in finished)
-    sequences = torch.full((batch_size, length), pad, dtype=input_ids.dtype, device=input_ids.device)
-    for row in finished:
-        sequences[row.index, : row.sequence.shape[1]] = row.sequence[0]
-    if not returns:
-        return sequences
-    return GenerateDecoderOnlyOutput(
-        sequences=sequences,
-        scores=tuple(scores_out) if scores_out is not None else None,
-        logits=tuple(logits_out) if logits_out is not None else None,
-        **{CACHE_KWARG: cache if batch_size == 1 else None},  # a batch's cache holds holes and only its last rows
-    )
+    def stream(self) -> None:
+        """Send a single row's new tokens to the streamer."""
+        if self.streamer is not None and self.rows:
+            sequence = self.rows[0].sequence
+            self.streamer.put(sequence[:, self.streamed :].cpu())
+            self.streamed = sequence.shape[1]
+
+    def leave(self) -> None:
+        """The rows that stopped leave: their cache rows and drafter state are dropped."""
+        keep = [b for b, row in enumerate(self.rows) if not row.stopped]
+        if len(keep) == len(self.rows):
+            return
+        self.finished += [row for row in self.rows if row.stopped]
+        if keep:
+            index = torch.tensor(keep, dtype=torch.long, device=self.key_mask.device)
+            self.cache.batch_select_indices(index)
+            if self.state is not None:
+                self.state.select(index)
+            self.key_mask = self.key_mask[index]
+        self.rows = [self.rows[b] for b in keep]
+
+    def finish(self):
+        """The sequences, padded as plain `generate` pads them, or its output object with this call's statistics."""
+        if self.streamer is not None:
+            self.streamer.end()
+        finished = sorted(self.finished, key=lambda row: row.index)
+        length = max(row.sequence.shape[1] for row in finished)
+        sequences = torch.full((self.batch_size, length), self.pad, dtype=self.input_ids.dtype,
+                               device=self.input_ids.device)
+        for row in finished:
+            sequences[row.index, : row.sequence.shape[1]] = row.sequence[0]
+        if not self.config.return_dict_in_generate:
+            return sequences
+        return EagleGenerateOutput(
+            sequences=sequences,
+            scores=tuple(self.scores_out) if self.scores_out is not None else None,
+            logits=tuple(self.logits_out) if self.logits_out is not None else None,
+            **{CACHE_KWARG: self.cache if self.batch_size == 1 else None},  # a batch's holds holes and its last rows
+            speculation_stats=self.stats,
+        )
 
 
-def _stream(streamer, rows: list[Row], streamed: int) -> int:
-    """Send a single row's new tokens to the streamer; return how many it has been sent."""
-    if streamer is None or not rows:
-        return streamed
-    sequence = rows[0].sequence
-    streamer.put(sequence[:, streamed:].cpu())
-    return sequence.shape[1]
+@torch.no_grad()
+def eagle_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                   generation_config: GenerationConfig, drafter: Eagle3DraftModel, speculation: Speculation,
+                   streamer=None, **model_kwargs):
+    """Decode every row of `input_ids` `[B, L]` with EAGLE drafts; the output equals plain `generate`'s, row for row.
+
+    Runs inside `eagle_verification(model)` (the `generate` routing takes care of it).
+    """
+    return EagleLoop(model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, speculation,
+                     streamer, **model_kwargs).run()

@@ -12,27 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import Cache, DynamicCache
-from transformers.cache_utils import StaticLayer
+from transformers import DynamicCache
 
-from hf_eagle31.modeling import Eagle3DraftModel
-
-
-def truncate_cache(cache: Cache, length: int) -> None:
-    """Drop cache entries past `length`: a static layer rolls its length back (the next block overwrites the
-    entries past it, nothing is reallocated), a dynamic one crops (negative `crop` works on every transformers 5.x).
-
-    Cropping nothing still shrinks a sliding-window layer that recorded a verify block back to its
-    window (transformers' `crop(0)`), so a run of fully accepted steps does not grow it.
-    """
-    surplus = int(cache.get_seq_length()) - length
-    if surplus < 0:
-        return
-    for layer in cache.layers:
-        if isinstance(layer, StaticLayer):
-            layer.cumulative_length.fill_(length)
-        else:
-            layer.crop(-surplus)
+from hf_eagle31.cache import truncate_cache
+from hf_eagle31.modeling import Eagle3DraftModel, Products
 
 
 class DrafterState:
@@ -44,8 +27,9 @@ class DrafterState:
     row drafts exactly as it would alone (decoding.py keeps the target's cache the same way).
     """
 
-    def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1):
+    def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1, products: Products | None = None):
         self.drafter = drafter
+        self.products = products  # a device backend's products for the drafter's layers (modeling.linear_outputs)
         self.cache = DynamicCache()
         self.length = 0  # cache entries built from target features, holes included
         device = drafter.fc.weight.device
@@ -97,7 +81,7 @@ class DrafterState:
         if min(counts) == n:
             real, fed = self.key_mask.new_ones(batch, n), n
             out = self.drafter(tokens, features, positions, self.cache, self.visible(causal) if self.holes else None,
-                               logits_to_keep=1)
+                               logits_to_keep=1, products=self.products)
             hidden, logits = out.hidden_states[:, -1:], out.logits
         else:
             fed = torch.tensor(counts, device=device)
@@ -105,7 +89,7 @@ class DrafterState:
             last = torch.zeros_like(real)
             last[torch.arange(batch), fed - 1] = True
             out = self.drafter(tokens, features, positions, self.cache, self.visible(causal & real[:, None, :]),
-                               logits_at=last)
+                               logits_at=last, products=self.products)
             hidden, logits = out.hidden_states[last][:, None], out.logits[:, None]
             self.holes = True
         self.key_mask = torch.cat([self.key_mask, real], dim=1)
@@ -187,6 +171,37 @@ def _children(log_probs: torch.Tensor, top_k: int, temperature: float | None):
     return log_probs.gather(-1, ids), ids, q
 
 
+@dataclass
+class Frontier:
+    """The nodes a tree level expands, per row, best first (each tensor `[B, w, ...]`)."""
+
+    pool: torch.Tensor  # [B, w] their indices in the candidate pool
+    scores: torch.Tensor  # [B, w] log of the product of draft probabilities along their paths
+    ids: torch.Tensor  # [B, w] draft-vocabulary ids
+    hidden: torch.Tensor  # [B, w, H] the drafter states they feed back
+    ancestry: torch.Tensor  # [B, w, m] which of the m nodes drafted since the catch-up each descends from
+
+    def narrowed(self, width: int) -> Frontier:
+        return Frontier(*(part[:, :width] for part in (self.pool, self.scores, self.ids, self.hidden, self.ancestry)))
+
+    def tail_mask(self) -> torch.Tensor:
+        """`[B, w, m + w]`: each node sees its ancestors and itself among the drafted nodes."""
+        batch, width = self.scores.shape
+        itself = torch.eye(width, dtype=torch.bool, device=self.scores.device).expand(batch, width, width)
+        return torch.cat([self.ancestry, itself], dim=2)
+
+    def children(self, child_scores: torch.Tensor, child_ids: torch.Tensor, per_node: int, hidden: torch.Tensor,
+                 pool_start: int, top_k: int) -> Frontier:
+        """The next level's frontier: the `top_k` best of this level's children (`child_scores`, `child_ids`
+        `[B, w * per_node]`, the first at pool index `pool_start`), with their parents' fed-back `hidden` states."""
+        scores, best = child_scores.topk(min(top_k, child_scores.shape[1]), dim=-1)
+        parents = (best // per_node)[..., None]
+        ancestry = self.tail_mask()
+        return Frontier(pool_start + best, scores, child_ids.gather(1, best),
+                        hidden.gather(1, parents.expand(-1, -1, hidden.shape[2])),
+                        ancestry.gather(1, parents.expand(-1, -1, ancestry.shape[2])))
+
+
 @torch.no_grad()
 def draft_tree(
     state: DrafterState, roots: torch.Tensor, depth: int, top_k: int, total_tokens: int,
@@ -210,47 +225,35 @@ def draft_tree(
     top_k = drafting_width(top_k, total_tokens)
     hidden, logits = state.catch_up()
     batch, device = hidden.shape[0], hidden.device
-    log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)
-    scores, draft_ids, q = _children(log_probs, top_k, temperature)  # [B, k]
+    scores, draft_ids, q = _children(torch.log_softmax(logits[:, -1].float(), dim=-1), top_k, temperature)  # [B, k]
+    width = scores.shape[1]
+    frontier = Frontier(torch.arange(width, device=device).expand(batch, -1), scores, draft_ids,
+                        hidden.expand(batch, width, -1), torch.zeros(batch, width, 0, dtype=torch.bool, device=device))
     pool_scores, pool_ids, pool_q = [scores], [draft_ids], [None if q is None else q[:, None]]
-    pool_parents = [torch.full_like(draft_ids, -1)]
-    frontier = torch.arange(scores.shape[1], device=device).expand(batch, -1)  # pool indices of the frontier
-    frontier_scores, frontier_ids = scores, draft_ids
-    frontier_hidden = hidden.expand(batch, frontier.shape[1], -1)
-    frontier_ancestry = torch.zeros(batch, frontier.shape[1], 0, dtype=torch.bool, device=device)
-    pool_size = scores.shape[1]
+    pool_parents, pool_size = [torch.full_like(draft_ids, -1)], width
     kept = scores  # each row's best pool scores so far, best first (top-k is capped at the tree's size)
     frontier_ranks = []  # per level: how many kept scores beat its best node (a tree of n tokens drafts it iff < n)
     for level in range(1, depth):
-        frontier_ranks.append((kept > frontier_scores[:, :1]).sum(dim=1))
-        width = _viable_width(frontier_scores, kept, total_tokens)
+        frontier_ranks.append((kept > frontier.scores[:, :1]).sum(dim=1))
+        width = _viable_width(frontier.scores, kept, total_tokens)
         if width == 0:
             break
-        frontier, frontier_scores, frontier_ids, frontier_hidden, frontier_ancestry = (
-            part[:, :width] for part in (frontier, frontier_scores, frontier_ids, frontier_hidden, frontier_ancestry))
-        itself = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)
-        tail_mask = torch.cat([frontier_ancestry, itself], dim=2)
-        frontier_tokens = drafter.draft_to_target(frontier_ids)
+        frontier = frontier.narrowed(width)
+        tail_mask = frontier.tail_mask()
         positions = (state.positions + level - 1)[:, None].expand(batch, width)
-        out = drafter(frontier_tokens, frontier_hidden, positions, state.cache,
-                      state.visible(tail_mask[0] if batch == 1 else tail_mask))
-        child_log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # [B, width, V_d]
-        top_log_probs, child_ids, q = _children(child_log_probs, top_k, temperature)
-        pool_q.append(q)
-        child_scores = (frontier_scores[:, :, None] + top_log_probs).flatten(1)
+        out = drafter(drafter.draft_to_target(frontier.ids), frontier.hidden, positions, state.cache,
+                      state.visible(tail_mask[0] if batch == 1 else tail_mask), products=state.products)
+        top_log_probs, child_ids, q = _children(torch.log_softmax(out.logits.float(), dim=-1), top_k, temperature)
+        child_scores, child_ids = (frontier.scores[:, :, None] + top_log_probs).flatten(1), child_ids.flatten(1)
         pool_scores.append(child_scores)
-        pool_ids.append(child_ids.flatten(1))
-        pool_parents.append(frontier.repeat_interleave(child_ids.shape[2], dim=1))
+        pool_ids.append(child_ids)
+        pool_q.append(q)
+        pool_parents.append(frontier.pool.repeat_interleave(top_log_probs.shape[2], dim=1))
         kept = torch.cat([kept, child_scores], dim=1)
         kept = kept.topk(min(total_tokens, kept.shape[1]), dim=-1).values
-        frontier_scores, best = child_scores.topk(min(top_k, child_scores.shape[1]), dim=-1)
-        frontier_ids = pool_ids[-1].gather(1, best)
-        parent_rows = best // child_ids.shape[2]
-        frontier = pool_size + best
+        frontier = frontier.children(child_scores, child_ids, top_log_probs.shape[2], out.hidden_states, pool_size,
+                                     top_k)
         pool_size += child_scores.shape[1]
-        frontier_hidden = out.hidden_states.gather(1, parent_rows[..., None].expand(-1, -1, out.hidden_states.shape[2]))
-        frontier_ancestry = torch.cat([frontier_ancestry, itself], dim=2)
-        frontier_ancestry = frontier_ancestry.gather(1, parent_rows[..., None].expand(-1, -1, frontier_ancestry.shape[2]))
     pool = [torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)]
     proposals = None if temperature is None else torch.cat(pool_q, dim=1)  # [B, depth, V_d]
     ranks = torch.stack(frontier_ranks, dim=1) if frontier_ranks else scores.new_zeros(batch, 0, dtype=torch.long)

@@ -15,8 +15,11 @@ from transformers.utils import output_capturing
 INDEXES_HIDDEN_STATES = hasattr(output_capturing, "selected_hidden_states")
 
 
-def capture_request(target_layer_ids: list[int]) -> list[int]:
-    """The `output_hidden_states` value that records `hidden_states[i]` for each `i` in `target_layer_ids`."""
+def capture_request(target_layer_ids: list[int]) -> list[int] | bool:
+    """The `output_hidden_states` value that records `hidden_states[i]` for each `i` in `target_layer_ids` (False for
+    none: decoding without a drafter)."""
+    if not target_layer_ids:
+        return False
     if INDEXES_HIDDEN_STATES:
         return list(target_layer_ids)
     if min(target_layer_ids) < 1:
@@ -27,6 +30,9 @@ def capture_request(target_layer_ids: list[int]) -> list[int]:
     return [i - 1 for i in target_layer_ids]
 
 
-def select_features(hidden_states: tuple[torch.Tensor | None, ...], target_layer_ids: list[int]) -> torch.Tensor:
-    """Concatenate the captured states (low, mid, high) into the drafter's `3 * H_t` input."""
+def select_features(hidden_states: tuple[torch.Tensor | None, ...] | None,
+                    target_layer_ids: list[int]) -> torch.Tensor | None:
+    """Concatenate the captured states (low, mid, high) into the drafter's `3 * H_t` input (None for no layers)."""
+    if not target_layer_ids:
+        return None
     return torch.cat([hidden_states[i] for i in capture_request(target_layer_ids)], dim=-1)

@@ -8,76 +8,45 @@ hf_eagle31 wraps four `GenerationMixin` methods (`install`). Each wrapper acts o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
+import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.generation import GenerationMixin
 
-from hf_eagle31 import llama_verify
+from hf_eagle31.backends import backend_for, fast_bf16, prepare
 from hf_eagle31.compat import CACHE_KWARG
-from hf_eagle31.configuration import SPECULATION_DEFAULTS, default_target_layer_ids
+from hf_eagle31.configuration import SPECULATION_DEFAULTS, SpeculationSettings, default_target_layer_ids
 from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.decoding import Speculation, eagle_decoding
+from hf_eagle31.interrupts import around
 from hf_eagle31.kernels.tree_attention import require_triton
 from hf_eagle31.modeling import Eagle3DraftModel
-from hf_eagle31.packing import fast_bf16, packed_weights
 from hf_eagle31.stats import SpeculationStats
-from hf_eagle31.verification import (
-    VERIFY_MODES,
-    UnsupportedTargetError,
-    exact_mode_hooks,
-    has_sliding_window,
-    leave_exact_mode,
-    verifying_attention,
-)
+from hf_eagle31.exact import OwnForwardByPosition
+from hf_eagle31.verification import UnsupportedTargetError, has_sliding_window, verifying_attention
 
 
-POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k": 64, "tree_total_tokens": 1024,
-                     "max_speculation_depth": 64, "verify_chunk_depth": 64}  # name -> largest value accepted
-CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES}
-SWITCHES = ("dynamic_speculation", "collapse_fallback", "pack_weights", "compile_verify")
-
-
-def speculation_setting(drafter: Eagle3DraftModel, name: str) -> Any:
-    """A speculation setting from the drafter's generation config (the default when unset), checked when read:
-    a misspelt mode or an impossible size is named here, not met as a wrong mode or a torch error later."""
-    config = drafter.generation_config
-    value = getattr(config, name, None)
-    if value is None and not (name in CHOICES and name in vars(config)):  # unset (a mode set to None is an error)
-        return SPECULATION_DEFAULTS[name]
-    if name in CHOICES and value not in CHOICES[name]:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, CHOICES[name]))}, got {value!r}")
-    if name in POSITIVE_SETTINGS and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 1 <= value <= POSITIVE_SETTINGS[name]):
-        raise ValueError(f"{name} must be an integer from 1 to {POSITIVE_SETTINGS[name]}, got {value!r}")
-    if name in SWITCHES and not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def verify_mode(drafter: Eagle3DraftModel) -> str:
+def verify_mode(settings: SpeculationSettings) -> str:
     """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`); "kernel" asks for the
     Triton kernel, whose missing extra is named before any work."""
-    mode = speculation_setting(drafter, "verify_mode")
-    if mode == "kernel":
+    if settings.verify_mode == "kernel":
         require_triton()
-    return mode
+    return settings.verify_mode
 
 
-def packs_weights(drafter: Eagle3DraftModel) -> bool:
-    """Whether this drafter's calls verify on packed weights where the target can have them (packing.py)."""
-    return speculation_setting(drafter, "pack_weights") and verify_mode(drafter) != "exact"
+def packs_weights(settings: SpeculationSettings) -> bool:
+    """Whether these settings' calls run on the CPU backend where it serves the target (hf_eagle31.backends)."""
+    return settings.pack_weights and verify_mode(settings) != "exact"
 
 
-def compiles_verify(drafter: Eagle3DraftModel, pack: bool | None = None) -> bool:
-    """Whether this drafter's calls verify with the compiled lean forward where the target takes the lean one: only
-    on packed weights, the drafter's own `pack_weights` path unless `pack` names one (tuning times both)."""
-    return speculation_setting(drafter, "compile_verify") and (packs_weights(drafter) if pack is None else pack)
+def compiles_verify(settings: SpeculationSettings, pack: bool | None = None) -> bool:
+    """Whether these settings' calls verify with the compiled lean forward where the target takes the lean one: only
+    on the CPU backend, the settings' own `pack_weights` unless `pack` names one (tuning times both)."""
+    return settings.compile_verify and (packs_weights(settings) if pack is None else pack)
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
@@ -102,9 +71,11 @@ def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
             f"target_layer_ids {dc.target_layer_ids} are out of range for the target {name} with {layers} layers."
         )
     embedding = target.get_input_embeddings()
-    if drafter.fc.weight.device != embedding.weight.device:
-        raise ValueError(f"the drafter is on {drafter.fc.weight.device} but the target's embedding is on "
-                         f"{embedding.weight.device}: move it with drafter.to({str(embedding.weight.device)!r})")
+    # where accelerate offloads the embedding, its weight waits on "meta" and its hook computes on this device
+    device = getattr(getattr(embedding, "_hf_hook", None), "execution_device", None) or embedding.weight.device
+    if drafter.fc.weight.device != torch.device(device):
+        raise ValueError(f"the drafter is on {drafter.fc.weight.device} but the target's embedding computes on "
+                         f"{device}: move the drafter there with drafter.to({str(device)!r})")
     if drafter.get_input_embeddings() is not embedding:
         drafter.set_target_embedding(embedding)
 
@@ -117,10 +88,10 @@ def drafting_dtype(target: PreTrainedModel) -> torch.dtype:
     return torch.bfloat16 if fast_bf16(target.device) else target.dtype
 
 
-def _length_controller(drafter: Eagle3DraftModel, start: int) -> LengthController:
-    if not speculation_setting(drafter, "dynamic_speculation"):
+def _length_controller(settings: SpeculationSettings, start: int) -> LengthController:
+    if not settings.dynamic_speculation:
         return LengthController(low=start, high=start, value=start)
-    return LengthController(low=1, high=max(start, speculation_setting(drafter, "max_speculation_depth")), value=start)
+    return LengthController(low=1, high=max(start, settings.max_speculation_depth), value=start)
 
 
 @dataclass
@@ -128,7 +99,7 @@ class _Verifying:
     """What EAGLE switched on in one target for its calls in flight (see `eagle_verification`)."""
 
     previous: str  # the attention implementation to restore
-    hooks: list
+    patched: OwnForwardByPosition | None = None
     calls: int = 0
 
 
@@ -136,35 +107,38 @@ _VERIFYING: dict[int, _Verifying] = {}  # id(target) -> its switches, while at l
 _VERIFYING_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
 def eagle_verification(target: PreTrainedModel):
-    """While EAGLE decodes: the `eagle_tree` attention function and the "exact" mode hooks (see verification.py).
+    """While EAGLE decodes: the `eagle_tree` attention function, and bitsandbytes layers run position by position
+    in "exact" verify forwards (`OwnForwardByPosition`; see verification.py).
 
     They belong to the target, so calls running at once in several threads share them: the first
     call switches them on and the last switches them off (a call restoring the previous attention
     while another still verifies would give that one wrong output, or leave `eagle_tree` behind).
-    Everything else a call needs lives in the call. `eagle_tree` is the target's own attention for
-    any forward without a verify plan, so plain calls running meanwhile compute as without EAGLE.
+    Each switch is made and undone whole, a Ctrl-C then raised (`around`). Everything else a call needs
+    lives in the call. `eagle_tree` is the target's own attention for any forward without a verify plan,
+    so plain calls running meanwhile compute as without EAGLE.
     """
-    with _VERIFYING_LOCK:
-        verifying = _VERIFYING.get(id(target))
-        if verifying is None:
-            previous = target.config._attn_implementation
-            if target._can_set_attn_implementation():  # see `check_target` for the models that cannot
-                target.set_attn_implementation(verifying_attention(previous))
-            verifying = _VERIFYING[id(target)] = _Verifying(previous, exact_mode_hooks(target))
-        verifying.calls += 1
-    try:
-        yield
-    finally:
-        leave_exact_mode()  # torch runs the leaving hook on Exception only: Ctrl-C must not leave it on
+    def switch_on():
         with _VERIFYING_LOCK:
+            verifying = _VERIFYING.setdefault(id(target), _Verifying(target.config._attn_implementation))
+            verifying.calls += 1  # first: a failure below is undone by `switch_off`, as an interrupt is
+            if verifying.calls == 1:
+                if target._can_set_attn_implementation():  # see `check_target` for the models that cannot
+                    target.set_attn_implementation(verifying_attention(verifying.previous))
+                verifying.patched = OwnForwardByPosition(target)
+
+    def switch_off():
+        with _VERIFYING_LOCK:
+            verifying = _VERIFYING[id(target)]
             verifying.calls -= 1
             if not verifying.calls:
+                if verifying.patched is not None:
+                    verifying.patched.remove()
+                if target.config._attn_implementation != verifying.previous:
+                    target.set_attn_implementation(verifying.previous)
                 del _VERIFYING[id(target)]
-                for hook in verifying.hooks:
-                    hook.remove()
-                target.set_attn_implementation(verifying.previous)
+
+    return around(switch_on, switch_off)
 
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -250,52 +224,47 @@ def check_inputs(target: PreTrainedModel, input_ids: torch.Tensor, generation_co
                          "use the default dynamic cache for batches and sliding-window targets")
 
 
-def batch_shape(drafter: Eagle3DraftModel, batch_size: int) -> dict | None:
-    """The tuned shape for the largest tuned batch size up to `batch_size` (`tuning.batch_shapes`), if any."""
-    shapes = getattr(drafter.generation_config, "batch_shapes", None) or {}
-    fitting = [int(size) for size in shapes if int(size) <= batch_size]
-    return shapes[str(max(fitting))] if fitting else None
-
-
-def tuned_shape(drafter: Eagle3DraftModel, batch_size: int, do_sample: bool) -> dict | None:
-    """The shape tuning chose for this kind of call, if any: for its batch size (`batch_shapes`), or for sampling
-    one row (`sampling_shape`, `tuning.sampling_tuning`); None: the drafter's own chain or tree settings."""
-    if batch_size > 1:
-        shape, name = batch_shape(drafter, batch_size), "batch_shapes"
-    else:
-        shape, name = (getattr(drafter.generation_config, "sampling_shape", None) if do_sample else None,
-                       "sampling_shape")
-    if shape is None:
-        return None
-    sizes = ("tree_top_k", "tree_depth", "tree_total_tokens")
-    if not (isinstance(shape, dict) and all(isinstance(shape.get(size), int) and shape[size] >= 1 for size in sizes)
-            and isinstance(shape.get("speedup"), (int, float))):
-        raise ValueError(f"{name} holds {shape!r}; a tuned shape is a dict of positive integers tree_top_k, "
-                         "tree_depth and tree_total_tokens and a predicted speedup (see hf_eagle31.tuning), "
-                         f"or set {name} to None")
-    return shape
-
-
-def speculation_for(drafter: Eagle3DraftModel, batch_size: int, do_sample: bool = False) -> Speculation | None:
+def speculation_for(settings: SpeculationSettings, batch_size: int, do_sample: bool = False) -> Speculation | None:
     """How a call with `batch_size` prompts drafts: the drafter's speculation settings, or the shape tuned for
-    this kind of call (`tuned_shape`); None where tuning predicted that no shape pays for it (plain decoding then)."""
-    mode = speculation_setting(drafter, "speculation_mode")
-    top_k, depth, total = (speculation_setting(drafter, name) for name in ("tree_top_k", "tree_depth",
-                                                                             "tree_total_tokens"))
+    this kind of call (`SpeculationSettings.tuned_shape`); None where tuning predicted that no shape pays for it
+    (plain decoding then)."""
+    mode, top_k, depth, total = (settings.speculation_mode, settings.tree_top_k, settings.tree_depth,
+                                 settings.tree_total_tokens)
     if mode == "chain":
-        top_k, depth = 1, speculation_setting(drafter, "num_assistant_tokens")
-    shape = tuned_shape(drafter, batch_size, do_sample)
+        top_k, depth = 1, settings.num_assistant_tokens
+    shape = settings.tuned_shape(batch_size, do_sample)
     if shape is not None:
-        if shape["speedup"] < 1.0:
+        if shape.speedup < 1.0:
             return None
-        mode = "chain" if shape["tree_top_k"] == 1 else "tree"
-        top_k, depth, total = shape["tree_top_k"], shape["tree_depth"], shape["tree_total_tokens"]
-    controller = _length_controller(drafter, depth)
-    monitor = CollapseMonitor(enabled=bool(speculation_setting(drafter, "collapse_fallback")))
+        mode = "chain" if shape.tree_top_k == 1 else "tree"
+        top_k, depth, total = shape.tree_top_k, shape.tree_depth, shape.tree_total_tokens
+    controller = _length_controller(settings, depth)
+    monitor = CollapseMonitor(enabled=settings.collapse_fallback)
     if batch_size > 1:
         monitor.plain_left = 1  # time a plain step of this batch first: it is what speculation must beat
     return Speculation(mode, top_k, controller.high if top_k == 1 else total, controller, monitor,
-                       speculation_setting(drafter, "verify_chunk_depth"), verify_mode(drafter))
+                       settings.verify_chunk_depth, verify_mode(settings))
+
+
+def warn_if_kernel_cannot_run(target: PreTrainedModel, settings: SpeculationSettings, input_ids: torch.Tensor,
+                              model_kwargs: dict) -> None:
+    """`verify_mode="kernel"` runs the Triton kernel only for one unpadded row on CUDA, on SDPA attention without
+    sliding windows; elsewhere the call verifies as "batched", and says so (once a process for each reason)."""
+    if settings.verify_mode != "kernel":
+        return
+    mask = model_kwargs.get("attention_mask")
+    reasons = {"the target is not on CUDA": target.device.type != "cuda",
+               "the batch has more than one prompt": input_ids.shape[0] > 1,
+               "the prompt is padded": mask is not None and not bool(mask.all()),
+               "the target has sliding-window layers": has_sliding_window(target.config.get_text_config()),
+               "the target runs eager attention": target.config._attn_implementation == "eager"}
+    for reason in (reason for reason, holds in reasons.items() if holds and reason not in _KERNEL_WARNED):
+        _KERNEL_WARNED.add(reason)
+        warnings.warn(f'verify_mode="kernel": {reason}, so this call verifies as "batched" (the Triton kernel '
+                      "serves one unpadded prompt on CUDA, SDPA attention, no sliding window)", stacklevel=5)
+
+
+_KERNEL_WARNED: set[str] = set()
 
 
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
@@ -322,6 +291,30 @@ CONTINUOUS_BATCHING_REFUSAL = (
     "EAGLE drafters are not supported by continuous batching (generate_batch) yet: its paged cache gives each request "
     "one new token per step, and it would ignore the drafter and decode without it. Use "
     "target.generate(input_ids, attention_mask=..., assistant_model=drafter), which also takes a padded batch")
+
+
+@torch.no_grad()
+def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                  generation_config: GenerationConfig, **model_kwargs):
+    """Plain decoding (one token a step, no drafter) on this package's fastest forward for the target, passed to
+    `generate` as its decoding method:
+
+        out = target.generate(**inputs, max_new_tokens=256, custom_generate=hf_eagle31.fast_decoding)
+
+    On a CPU in fp32 or bf16 each step runs on the CPU backend (the rows kernel or oneDNN's products, and for a
+    Llama, Mistral or Qwen2 target the lean forward), elsewhere on transformers' own forward, inside the one
+    decoding loop: tokens are picked as plain `generate` picks them (processors, sampling, stopping criteria).
+    The logits come from the products EAGLE verifies with, so greedy output equals plain `generate`'s up to
+    near-ties in bf16, as EAGLE's does. Benchmarks compare EAGLE with it as the target's best plain decoding.
+    transformers passes no streamer to a `custom_generate` function."""
+    check_target(model)
+    check_inputs(model, input_ids, generation_config, model_kwargs)
+    speculation = Speculation("plain", 1, 1, LengthController(1, 1, 1), CollapseMonitor(enabled=False), None,
+                              "batched")
+    with eagle_verification(model):
+        speculation.prepared = prepare(backend_for(model, True), model, None)
+        return eagle_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, None,
+                              speculation, **model_kwargs)
 
 
 def install() -> None:
@@ -353,19 +346,18 @@ def install() -> None:
         for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
             kwargs.pop(unused, None)
         prepare_drafter(self, drafter)
-        speculation = speculation_for(drafter, input_ids.shape[0], bool(kwargs["generation_config"].do_sample))
+        settings, config = SpeculationSettings.of(drafter.generation_config), kwargs["generation_config"]
+        speculation = speculation_for(settings, input_ids.shape[0], bool(config.do_sample))
         if speculation is None:
-            drafter.speculation_stats = SpeculationStats(mode=speculation_setting(drafter, "speculation_mode"),
-                                                         fallbacks=1)
+            drafter.speculation_stats = SpeculationStats(mode=settings.speculation_mode, fallbacks=1)
             return self._sample(input_ids, *args, **kwargs)
-        config = kwargs["generation_config"]
         if speculation.verify_mode == "batched" and self._valid_auto_compile_criteria(kwargs, config):
             speculation.compiled = self.get_compiled_call(config.compile_config)  # as plain decoding compiles
             speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
-        pack = packs_weights(drafter)  # a compiled forward calls the packed products as opaque ops (packing.py)
-        with eagle_verification(self), packed_weights(self, pack), packed_weights(drafter, pack):
-            # the lean forward multiplies by this call's packing (another thread's may go while this call runs)
-            speculation.lean = llama_verify.room_for(self, compiles_verify(drafter)) if pack else None
+        warn_if_kernel_cannot_run(self, settings, input_ids, kwargs)
+        with eagle_verification(self):
+            speculation.prepared = prepare(backend_for(self, packs_weights(settings)), self, drafter,
+                                           compiles_verify(settings))
             return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
 
     @functools.wraps(extract)

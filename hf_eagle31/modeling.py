@@ -21,6 +21,9 @@ so those load without renaming.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +38,22 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
-from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config, safeailab_tree_settings
+from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config, SpeculationSettings, safeailab_tree_settings
 from hf_eagle31.kernels.tree_attention import tree_attention
-from hf_eagle31.packing import sibling_products
+from hf_eagle31.stats import SpeculationStats
+
+# A device backend's products (hf_eagle31.backends): `products(x, *layers)` is the layers' outputs side by side, or
+# None where it has no product for exactly those layers (then they are called as modules)
+Products = Callable[..., "torch.Tensor | None"]
+
+
+def linear_outputs(x: torch.Tensor, *layers: nn.Linear, products: Products | None = None) -> torch.Tensor:
+    """The outputs of linear layers that read `x` (q/k/v, gate/up, or one), side by side in the last dimension: a
+    backend's one product where it has one, else each layer's own call (its hooks, an adapter's forward)."""
+    out = None if products is None else products(x, *layers)
+    if out is not None:
+        return out
+    return layers[0](x) if len(layers) == 1 else torch.cat([layer(x) for layer in layers], dim=-1)
 
 
 @dataclass
@@ -73,9 +89,10 @@ class Eagle3Attention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None,
         tail_mask: torch.Tensor | None,
+        products: Products | None = None,
     ) -> torch.Tensor:
         batch, length = hidden_states.shape[:2]
-        heads = sibling_products(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        heads = linear_outputs(hidden_states, self.q_proj, self.k_proj, self.v_proj, products=products)
         heads = heads.view(batch, length, -1, self.head_dim)  # [B, n, queries + keys + values, D]
         queries = self.q_proj.out_features // self.head_dim
         cos, sin = (part.unsqueeze(2) for part in position_embeddings)
@@ -86,13 +103,13 @@ class Eagle3Attention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         out = tree_attention(query, key, value, tail_mask, self.scaling)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return linear_outputs(out.transpose(1, 2).reshape(batch, length, -1), self.o_proj, products=products)
 
 
-def gated_mlp(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
-    """`mlp(x)` with its gate and up projections as one product where they are packed so (`sibling_products`)."""
-    gate, up = sibling_products(x, mlp.gate_proj, mlp.up_proj).split(mlp.intermediate_size, dim=-1)
-    return mlp.down_proj(mlp.act_fn(gate) * up)
+def gated_mlp(mlp: LlamaMLP, x: torch.Tensor, products: Products | None = None) -> torch.Tensor:
+    """`mlp(x)`, its gate and up projections as one product where `products` has one."""
+    gate, up = linear_outputs(x, mlp.gate_proj, mlp.up_proj, products=products).split(mlp.intermediate_size, dim=-1)
+    return linear_outputs(mlp.act_fn(gate) * up, mlp.down_proj, products=products)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -115,12 +132,13 @@ class Eagle3DecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None,
         tail_mask: torch.Tensor | None,
+        products: Products | None = None,
     ) -> torch.Tensor:
         normed = self.hidden_norm(features)
         residual = normed if self.norm_before_residual else features
         attn_in = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        hidden = residual + self.self_attn(attn_in, position_embeddings, cache, tail_mask)
-        return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden))
+        hidden = residual + self.self_attn(attn_in, position_embeddings, cache, tail_mask, products)
+        return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden), products)
 
 
 class StackedDecoderLayer(nn.Module):
@@ -141,9 +159,13 @@ class StackedDecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None,
         tail_mask: torch.Tensor | None,
+        products: Products | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_embeddings, cache, tail_mask)
-        return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_embeddings, cache, tail_mask, products)
+        return hidden + gated_mlp(self.mlp, self.post_attention_layernorm(hidden), products)
+
+
+_STATS: weakref.WeakKeyDictionary[nn.Module, threading.local] = weakref.WeakKeyDictionary()  # drafter -> per thread
 
 
 class Eagle3DraftModel(PreTrainedModel):
@@ -189,6 +211,16 @@ class Eagle3DraftModel(PreTrainedModel):
             self.t2d.zero_()
             self.t2d[: self.config.draft_vocab_size] = True
 
+    @property
+    def speculation_stats(self) -> SpeculationStats | None:
+        """What this thread's last `generate` call with this drafter did (each call records its own: threads that
+        share a drafter do not see each other's; `return_dict_in_generate=True` returns it with the output)."""
+        return getattr(_STATS.get(self), "stats", None)
+
+    @speculation_stats.setter
+    def speculation_stats(self, stats: SpeculationStats) -> None:
+        _STATS.setdefault(self, threading.local()).stats = stats
+
     # --- saving and loading: the speculation settings travel with the weights ---------------
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
@@ -211,7 +243,6 @@ class Eagle3DraftModel(PreTrainedModel):
         ...) override the saved generation config, checked as `generate` checks them.
         """
         from hf_eagle31.conversion import layouts
-        from hf_eagle31.generation import speculation_setting
 
         speculation = {name: kwargs.pop(name) for name in SPECULATION_DEFAULTS if name in kwargs}
 
@@ -232,8 +263,7 @@ class Eagle3DraftModel(PreTrainedModel):
                              f"project's ({', '.join(speculation)}), not both: they count the tree differently")
         tree = {"speculation_mode": "tree", **tree} if tree else {}
         model.generation_config = GenerationConfig(**{**SPECULATION_DEFAULTS, **saved, **tree, **speculation})
-        for name in speculation:
-            speculation_setting(model, name)
+        SpeculationSettings.of(model.generation_config)  # checked here, not first met by a generate call
         return model
 
     # --- the target's embedding -------------------------------------------------------------
@@ -292,14 +322,14 @@ class Eagle3DraftModel(PreTrainedModel):
             self._rotary_tables[key] = cos, sin
         return cos[position_ids], sin[position_ids]
 
-    def project_target_features(self, features: torch.Tensor) -> torch.Tensor:
+    def project_target_features(self, features: torch.Tensor, products: Products | None = None) -> torch.Tensor:
         """Fuse the captured target states (concatenated, width n*H_t) into one drafter state."""
         if self.input_norm is not None:
             features = self.input_norm(features)
         if self.fc_norm is not None:
             parts = features.chunk(len(self.fc_norm), dim=-1)
             features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
-        return self.fc(features)
+        return linear_outputs(features, self.fc, products=products)
 
     def forward(
         self,
@@ -310,6 +340,7 @@ class Eagle3DraftModel(PreTrainedModel):
         tail_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         logits_at: torch.Tensor | None = None,
+        products: Products | None = None,
     ) -> Eagle3DraftOutput:
         """One draft step for a block of positions.
 
@@ -325,10 +356,12 @@ class Eagle3DraftModel(PreTrainedModel):
                 up on a long prompt needs just the last: `n x V_d` logits would be the largest tensor.
             logits_at: `[batch, n]` bool: logits only there, flattened to `[count, V_d]` (training needs them
                 only where its loss counts, and the head over a 16k+ vocabulary is most of a step's cost).
+            products: a device backend's products for this drafter's linear layers (hf_eagle31.backends), which
+                compute what the layers' own calls would; None: the layers' own calls.
         """
         width, captured = hidden_states.shape[-1], self.fc.in_features
         if width == captured:
-            hidden_states = self.project_target_features(hidden_states)
+            hidden_states = self.project_target_features(hidden_states, products)
         elif width != self.config.hidden_size:
             raise ValueError(
                 f"hidden_states has width {width}; expected {self.config.num_aux_hidden_states} captured layers x "
@@ -346,12 +379,13 @@ class Eagle3DraftModel(PreTrainedModel):
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
         embeds = embedding(input_ids).to(hidden_states.dtype)
         position_embeddings = self.rotary_at(hidden_states, position_ids)
-        hidden = self.midlayer(embeds, hidden_states, position_embeddings, cache, tail_mask)
+        hidden = self.midlayer(embeds, hidden_states, position_embeddings, cache, tail_mask, products)
         for layer in self.layers.values():
-            hidden = layer(hidden, position_embeddings, cache, tail_mask)
+            hidden = layer(hidden, position_embeddings, cache, tail_mask, products)
         normed = self.norm(hidden)
         return Eagle3DraftOutput(
-            logits=self.lm_head(normed[logits_at] if logits_at is not None else normed[:, -logits_to_keep:]),
+            logits=linear_outputs(normed[logits_at] if logits_at is not None else normed[:, -logits_to_keep:],
+                                  self.lm_head, products=products),
             hidden_states=normed if self.config.norm_output else hidden,
             cache=cache,
         )

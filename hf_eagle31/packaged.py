@@ -187,3 +187,20 @@ def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: s
 
 __all__ = ["PACKAGED", "cached_folder", "hub_id", "is_local_path", "load_packaged_model", "missing_folder", "model_name",
            "packaged_model_path", "portable_name", "require_hub_id", "resolve_model"]
+
+
+def load_target(name: str):
+    """The target and its tokenizer (None if it has none), with a clear error for an unreadable folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name)
+    try:
+        target = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load the target model {path}: {err}") from None
+    target.name_or_path = portable_name(name)  # a packaged model by its Hub id, not this machine's cache folder
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    return target, tokenizer

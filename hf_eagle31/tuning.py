@@ -17,11 +17,11 @@ smaller shape of the family. Each step also records how deep a smaller tree woul
 stops drafting where no node of a level can be kept: `drafting._viable_width`), so a shape's draft cost
 is the mean over the calibrated steps of the trees it would have drafted, not a full tree's each step.
 
-Verification may run on packed weights (packing.py), and whether that pays depends on the CPU: on
+Verification may run on the CPU backend (hf_eagle31.backends.cpu), and whether that pays depends on the CPU: on
 the 2-core AMD EPYC a packed fp32 forward of up to 16 tokens cost less than a plain step; on a
 2-core Intel Xeon with AMX it costs 1.09-1.55 plain steps for 1-16 tokens in fp32, where torch's
 own path costs 1.00-1.09 up to 3 tokens (and packed bf16 0.67-0.81). Packing also costs each call
-~0.3 s for SmolLM2 in fp32. So tuning measures both paths, spreads a call's packing over
+~0.2 s for SmolLM2 in bf16. So tuning measures both paths, spreads a call's packing over
 `CALL_TOKENS` tokens, and stores the faster path (`pack_weights`) with its shapes.
 """
 
@@ -39,9 +39,10 @@ from statistics import median
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from hf_eagle31 import llama_verify
+from hf_eagle31.backends import backend_for
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
+from hf_eagle31.configuration import SpeculationSettings
 from hf_eagle31.generation import (
     compiles_verify,
     drafting_dtype,
@@ -50,9 +51,8 @@ from hf_eagle31.generation import (
     prepare_drafter,
     verify_mode,
 )
-from hf_eagle31.modeling import Eagle3DraftModel
-from hf_eagle31.packing import can_pack, packed_weights
-from hf_eagle31.verification import VerifyPlan, verify_forward
+from hf_eagle31.modeling import Eagle3DraftModel, Products
+from hf_eagle31.verification import VerifyPlan
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
 SAMPLING_TEMPERATURE = 1.0  # the temperature `sampling_shape` is calibrated at; it serves every sampling call
@@ -103,23 +103,22 @@ def verify_cost_curve(
     """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
 
     Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
-    mask, the drafter's features captured, on packed weights if `pack` (packing.py), compiled if `compiled`
-    (`compile_verify`: the warm-up compiles).
+    mask, the drafter's features captured, on the CPU backend if `pack` (where it serves the target), compiled if
+    `compiled` (`compile_verify`: the warm-up compiles).
     """
     device = target.device
     prompt = torch.randint(3, target.config.get_text_config().vocab_size, (1, context), device=device)
     costs = {}
-    with eagle_verification(target), packed_weights(target, pack):
+    with eagle_verification(target):
         cache = DynamicCache(config=target.config)
         target(prompt, **{CACHE_KWARG: cache})
-        lean = llama_verify.room_for(target, compiled)
+        _, verify = backend_for(target, pack).target_forwards(target, target_layer_ids, compiled)
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
             plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
 
             def forward():
-                verify_forward(target, cache, plan, tree.tokens[None], context + tree.depths[None], target_layer_ids,
-                               lean=lean)
+                verify(cache, plan, tree.tokens[None], context + tree.depths[None])
                 cache.crop(-n)
 
             forward()  # warm-up
@@ -134,7 +133,7 @@ def target_step(target: PreTrainedModel) -> Callable[[], object]:
     Why: the drafter then reads its weights, code and data from memory, not from the caches a loop of trees keeps
     them in. SmolLM2's 3-level tree on 2 threads: 9.2 ms after a target forward, 7.1 ms in a loop; decoding's own
     drafts cost at least the first, and tuning on the second chose trees a level or two too deep and predicted 17%
-    more speed than the benchmark then measured (docs/benchmarks.md).
+    more speed than the benchmark then measured.
     """
     token = torch.full((1, 1), 3, device=target.device)
     return lambda: target(token, use_cache=False)
@@ -142,14 +141,16 @@ def target_step(target: PreTrainedModel) -> Callable[[], object]:
 
 @torch.no_grad()
 def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int = 256, repeats: int = 5,
-               batch_size: int = 1, before: Callable[[], object] | None = None) -> float:
+               batch_size: int = 1, before: Callable[[], object] | None = None,
+               products: Products | None = None) -> float:
     """Seconds to draft one EAGLE-2 tree of `depth` levels in each of `batch_size` rows (catch-up on one accepted
-    token per row included), each tree timed after an untimed call of `before` (`target_step`: as decoding drafts)."""
+    token per row included), each tree timed after an untimed call of `before` (`target_step`: as decoding drafts),
+    on a backend's `products` for the drafter (None: its layers' own calls)."""
     device = drafter.device
     width = 3 * drafter.config.target_hidden_size
     features = torch.randn(batch_size, context, width, device=device, dtype=drafter.dtype)
     tokens = torch.randint(3, drafter.config.vocab_size, (batch_size, context), device=device)
-    state = DrafterState(drafter, batch_size)
+    state = DrafterState(drafter, batch_size, products)
     for row in range(batch_size):
         state.push(features[row : row + 1], tokens[row : row + 1], row)
     state.catch_up()
@@ -166,20 +167,24 @@ def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int =
 
 
 def verify_paths(target: PreTrainedModel, drafter: Eagle3DraftModel) -> tuple[bool, ...]:
-    """The verify paths tuning compares, as `pack_weights` values: packed weights where the target can have them
-    (not under "exact" verification, which computes on the plain ones), and torch's default path."""
-    return (True, False) if can_pack(target) and verify_mode(drafter) != "exact" else (False,)
+    """The verify paths tuning compares, as `pack_weights` values: the CPU backend where it serves the target (not
+    under "exact" verification, which computes on the plain weights), and the default backend."""
+    return (True, False) if backend_for(target, True).name != "default" and verify_mode(settings_of(drafter)) != "exact" \
+        else (False,)
 
 
 @torch.no_grad()
 def packing_cost(target: PreTrainedModel, drafter: Eagle3DraftModel, repeats: int = 3) -> float:
-    """Seconds a call spends packing the target's and the drafter's weights and giving them back (packing.py)."""
-    def pack_and_unpack():
-        with packed_weights(target), packed_weights(drafter):
-            pass
+    """Seconds a call spends making the CPU backend's products for the target and the drafter."""
+    backend = backend_for(target, True)
 
-    pack_and_unpack()  # warm-up: the layouts a tied head's rows are read through are probed once a process
-    return _best_of(pack_and_unpack, repeats)
+    def pack():
+        with eagle_verification(target):
+            backend.target_forwards(target, drafter.config.target_layer_ids)
+        backend.products(drafter)
+
+    pack()  # warm-up: the rows kernel loads once a process
+    return _best_of(pack, repeats)
 
 
 BATCH_SIZES = (2, 4, 8, 16)
@@ -198,32 +203,34 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     """
     device, vocab = target.device, target.config.get_text_config().vocab_size
     verify, draft, plain = {}, {}, {}
-    pack = packs_weights(drafter) if pack is None else pack
+    pack = packs_weights(settings_of(drafter)) if pack is None else pack
 
-    def block_cost(cache: DynamicCache, batch: int, n: int, lean: llama_verify.CacheRoom | None = None) -> float:
+    def block_cost(cache: DynamicCache, batch: int, n: int, verify) -> float:
         tokens = torch.randint(3, vocab, (batch, n), device=device)
         positions = (context + torch.arange(n, device=device)).expand(batch, n)
         plan = VerifyPlan.for_cache(torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch, n, n), cache)
 
         def forward():
-            verify_forward(target, cache, plan, tokens, positions, drafter.config.target_layer_ids, lean=lean)
+            verify(cache, plan, tokens, positions)
             cache.crop(-n)
 
         forward()  # warm-up
         return _best_of(forward, repeats)
 
     after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
+    layer_ids, backend = drafter.config.target_layer_ids, backend_for(target, pack)
     with eagle_verification(target):
+        _, plain_verify = backend_for(target, False).target_forwards(target, layer_ids)
         for batch in batch_sizes:
             cache = DynamicCache(config=target.config)
             target(torch.randint(3, vocab, (batch, context), device=device), **{CACHE_KWARG: cache})
-            plain[batch] = block_cost(cache, batch, 1)  # the target's own weights: plain decoding's step
-            with packed_weights(target, pack), packed_weights(drafter, pack):
-                # as decoding does: the lean forward on this call's own packing
-                lean = llama_verify.room_for(target, compiles_verify(drafter, pack)) if pack else None
-                verify[batch] = {n: block_cost(cache, batch, n, lean) for n in BATCH_BLOCK_SIZES}
-                draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target)
-                                    for d in range(1, max_depth + 1)} for k in top_ks}
+            plain[batch] = block_cost(cache, batch, 1, plain_verify)  # the target's own weights: a plain step
+            # as decoding does: this backend's verify forward and products
+            _, verify_on = backend.target_forwards(target, layer_ids, compiles_verify(settings_of(drafter), pack))
+            verify[batch] = {n: block_cost(cache, batch, n, verify_on) for n in BATCH_BLOCK_SIZES}
+            products = backend.products(drafter)
+            draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target, products)
+                                for d in range(1, max_depth + 1)} for k in top_ks}
     return {"verify_seconds": verify, "draft_seconds": draft, "plain_seconds": plain}
 
 
@@ -336,7 +343,7 @@ def choose_tree_shape(
     and `max_tokens` tokens (a chain of `max_depth` for k = 1), see `calibrate`.
     """
     sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
-    mode = verify_mode(drafter)
+    mode = verify_mode(settings_of(drafter))
     paths = verify_paths(target, drafter)
     layer_ids = drafter.config.target_layer_ids
     # Why passes: a shared CPU drifts in speed over seconds, both ways (a neighbour's load comes and goes), so each
@@ -349,11 +356,12 @@ def choose_tree_shape(
         curves, drafts = {}, {}
         for pack in paths:
             curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
-                                             compiled=compiles_verify(drafter, pack))
-            with packed_weights(drafter, pack):  # every width a candidate drafts: a family's smaller trees are narrower
-                drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target)
-                                    for d in range(1, max_depth + 1)}
-                                for w in range(1, max(ranks_by_top_k) + 1)}
+                                             compiled=compiles_verify(settings_of(drafter), pack))
+            products = backend_for(target, pack).products(drafter)
+            # every width a candidate drafts: a family's smaller trees are narrower
+            drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target, products=products)
+                                for d in range(1, max_depth + 1)}
+                            for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))
     plain = median(p[0][False][1] for p in passes)  # the default path's one-token forward: a plain step
     reports = []
@@ -524,6 +532,11 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
         config.pack_weights = report["pack_weights"]
     config.batch_shapes = batch_shapes(report) if report.get("batch_costs") else None
     config.sampling_shape = (report.get("sampling") or {}).get("shape")
+    settings_of(drafter)  # what was stored is checked as every call checks it
+
+
+def settings_of(drafter: Eagle3DraftModel) -> SpeculationSettings:
+    return SpeculationSettings.of(drafter.generation_config)
 
 
 BATCH_MAX_DEPTH = 8  # deeper drafts never paid at a batch size above one here

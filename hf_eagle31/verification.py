@@ -20,30 +20,25 @@ scaling) is left to the target's own attention function, which computes every ve
 from __future__ import annotations
 
 import functools
-import itertools
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, Cache, PreTrainedModel
-from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from hf_eagle31 import llama_verify
+from hf_eagle31.cache import static_capacity
 from hf_eagle31.compat import CACHE_KWARG
-from hf_eagle31.drafting import DraftTree, truncate_cache
+from hf_eagle31.configuration import VERIFY_MODES
+from hf_eagle31.drafting import DraftTree
+from hf_eagle31.exact import additive_mask, decode_equivalent_attention, exact_mode
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import fold_mask, grouped_attention, tree_attention
 
 ATTENTION_NAME = "eagle_tree"  # the target's SDPA underneath
 EAGER_ATTENTION_NAME = "eagle_tree_eager"  # the target's own eager attention underneath
-VERIFY_MODES = ("batched", "kernel", "exact")
 
 
 class UnsupportedTargetError(ValueError):
@@ -54,25 +49,6 @@ def has_sliding_window(text_config) -> bool:
     """Whether any layer of this (text) config attends over a sliding window."""
     return bool(getattr(text_config, "sliding_window", None)) or \
         "sliding_attention" in (getattr(text_config, "layer_types", None) or ())
-
-
-def pick_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """The next token `[1, 1]` from processed scores `[1, V]`, as plain `generate` picks it: a sample or the argmax."""
-    if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), 1)
-    return scores.argmax(dim=-1, keepdim=True)
-
-
-def accept_or_resample(scores: torch.Tensor, token: int, proposal: torch.Tensor) -> torch.Tensor:
-    """Speculative sampling's step `[1, 1]`: the drafted `token`, drawn from `proposal` q `[V]`, is kept with
-    probability min(1, p/q), else a token is drawn from max(p - q, 0); either way it is distributed as p, the
-    softmax of the processed `scores` `[1, V]` that plain `generate` samples from."""
-    p = torch.softmax(scores[0].float(), dim=-1)
-    q = proposal.to(p.device)
-    if float(torch.rand(())) * float(q[token]) < float(p[token]):
-        return torch.tensor([[token]], device=scores.device)
-    residual = (p - q).clamp(min=0)
-    return torch.multinomial(residual / residual.sum(), 1)[None]
 
 
 @dataclass
@@ -228,143 +204,6 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     return grouped_attention(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as eager attention takes it (added to the scores), with the values transformers' `eager_mask` uses."""
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
-
-
-def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, window: int | None, scaling, dropout,
-                                attention: Callable = sdpa_attention_forward, **kwargs):
-    """The verify block's attention computed the way one-token decoding computes it.
-
-    Why: one batched attention over the block sums in a different order than a decode step does,
-    which can flip a near-tied argmax (often, in bf16). Each node instead runs the target's own
-    `attention` with a single query over exactly the keys a decode step at its position would see
-    (`VerifyPlan.held_keys`: the cached keys, only the last `window - 1` of them in a sliding-window
-    cache layer, then its ancestors in order), with the mask that step would get: transformers
-    skips the SDPA mask of a decode step unless the prompts are padded or the keys fill the window;
-    eager attention always gets one. Each row of a batch runs alone, over its keys without the
-    batch's holes, as plain batched decoding computes each row of its one attention call. A
-    contiguous run of keys is a slice of the cache (no copy).
-    """
-    n = query.shape[2]
-    past = plan.past(key.shape[2])
-    eager = attention is not sdpa_attention_forward
-    masks = plan.layer_mask(key.shape[2], window)
-    out = query.new_empty(query.shape[0], n, query.shape[1], value.shape[3])
-    for row, node in itertools.product(range(query.shape[0]), range(n)):
-        held = plan.held_keys(row, node, past, getattr(module, "layer_idx", None))
-        first, count = int(held[0]), held.shape[0]
-        if int(held[-1]) - first + 1 == count:
-            held = slice(first, first + count)
-        keys, values = key[row : row + 1, :, held], value[row : row + 1, :, held]
-        mask = None
-        if eager or plan.padded or (window is not None and count >= window):
-            seen = masks[row, node : node + 1, held]
-            mask = (additive_mask(seen, query.dtype) if eager else seen)[None, None]
-        attended, _ = attention(module, query[row : row + 1, :, node : node + 1], keys, values, mask,
-                                scaling=scaling, dropout=dropout, **kwargs)
-        out[row, node] = attended[0, 0]
-    return out, None
-
-
-class RowByRowLinear(TorchFunctionMode):
-    """Inside an "exact" verify forward, every linear layer runs one block position at a time, over
-    `batch_size` rows.
-
-    Why: a matrix multiply over n rows is not bit-identical, row for row, to n one-row multiplies on
-    most backends (MKL and oneDNN on CPU, cuBLAS on CUDA choose other kernels and reduction orders by
-    shape), and plain decoding multiplies one token of each of its `batch_size` rows at once (rows
-    that finished included): each position is computed in that shape, with zero rows for the rows
-    this batch no longer has. Everything else in a decoder layer (norms, rotary, activations) works
-    row by row already.
-    """
-
-    def __init__(self, batch_size: int = 1):
-        super().__init__()
-        self.batch_size = batch_size
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            return self.by_position(func, args[0], args[1:], kwargs)
-        return func(*args, **kwargs)
-
-    def by_position(self, func: Callable, rows: torch.Tensor, args, kwargs) -> torch.Tensor:
-        """`func(rows, *args, **kwargs)` one block position at a time."""
-        if rows.dim() < 2 or rows.shape[-2] == 1:
-            return func(rows, *args, **kwargs)
-        return torch.cat([self._position(func, rows[..., i : i + 1, :], args, kwargs)
-                          for i in range(rows.shape[-2])], -2)
-
-    def _position(self, func, position: torch.Tensor, args, kwargs) -> torch.Tensor:
-        missing = self.batch_size - position.shape[0] if position.dim() == 3 else 0
-        if missing <= 0:
-            return func(position, *args, **kwargs)
-        padded = torch.cat([position, position.new_zeros(missing, *position.shape[1:])])
-        return func(padded, *args, **kwargs)[: position.shape[0]]
-
-
-_ROW_BY_ROW = threading.local()  # the mode is entered per thread (torch keeps its mode stack per thread)
-
-
-def _enter_exact_mode(module, args, kwargs):
-    plan = kwargs.get("eagle_verify_plan")
-    if plan is not None and plan.mode == "exact":
-        _ROW_BY_ROW.mode = RowByRowLinear(plan.batch_size)
-        _ROW_BY_ROW.mode.__enter__()
-
-
-def exact_mode_active() -> bool:
-    """Whether this thread runs an "exact" verify forward (inside `RowByRowLinear`)."""
-    return getattr(_ROW_BY_ROW, "mode", None) is not None
-
-
-def leave_exact_mode(*unused) -> None:
-    """Undo this thread's `_enter_exact_mode` (a forward hook, and the `finally` of every EAGLE `generate`)."""
-    mode = _ROW_BY_ROW.__dict__.pop("mode", None)
-    if mode is not None:
-        mode.__exit__(None, None, None)
-
-
-class OwnForwardByPosition:
-    """Linear layers with a forward of their own (bitsandbytes' 4- and 8-bit layers) run one block
-    position at a time in an "exact" verify forward, their whole forward and not only the `F.linear`
-    it may call.
-
-    Why: bitsandbytes multiplies one token by a 4-bit weight with a fused kernel of its own (on CUDA)
-    and several tokens by the dequantized weight through `F.linear`: split below its forward, each
-    position would still take the several-token path, which one-token decoding never does.
-    """
-
-    def __init__(self, target: nn.Module):
-        self.layers = [m for m in target.modules() if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward]
-        self.own = [vars(m).get("forward") for m in self.layers]  # an instance's forward (accelerate's hooks) comes back
-        for layer in self.layers:
-            layer.forward = functools.partial(_forward_by_position, layer.forward)
-
-    def remove(self) -> None:
-        for layer, own in zip(self.layers, self.own):
-            if own is None:
-                del layer.forward
-            else:
-                layer.forward = own
-
-
-def _forward_by_position(forward: Callable, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    mode = getattr(_ROW_BY_ROW, "mode", None)
-    return forward(x, *args, **kwargs) if mode is None else mode.by_position(forward, x, args, kwargs)
-
-
-def exact_mode_hooks(target: PreTrainedModel) -> list:
-    """Hooks that run "exact" verify forwards under `RowByRowLinear` (they see the plan in the forward's kwargs)."""
-    return [
-        target.register_forward_pre_hook(_enter_exact_mode, with_kwargs=True),
-        target.register_forward_hook(leave_exact_mode, with_kwargs=True, always_call=True),
-        OwnForwardByPosition(target),
-    ]
-
-
 def verifying_attention(previous: str) -> str:
     """The attention implementation EAGLE runs a target on, given the one it runs outside EAGLE.
 
@@ -381,15 +220,8 @@ AttentionInterface.register(EAGER_ATTENTION_NAME, functools.partial(tree_attenti
 AttentionMaskInterface.register(EAGER_ATTENTION_NAME, eager_mask)
 
 
-def static_capacity(cache: Cache) -> int | None:
-    """How many tokens a static cache holds (its layers return that many keys); None for a cache that grows."""
-    static = [layer.max_cache_len for layer in cache.layers if isinstance(layer, StaticLayer)]
-    return min(static) if static else None
-
-
 def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, tokens: torch.Tensor,
-                   positions: torch.Tensor, target_layer_ids: list[int],
-                   compiled: Callable | None = None, lean: llama_verify.CacheRoom | None = None
+                   positions: torch.Tensor, target_layer_ids: list[int], compiled: Callable | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over every row's block (`tokens`, `positions` `[B, n]`, the target in
     `eagle_verification` mode): raw float logits `[B, n, V]` and the drafter's features `[B, n, 3 H_t]`.
@@ -398,49 +230,19 @@ def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, toke
     `compact_cache` has picked the accepted entries (and only then drops what falls out of its window).
     `compiled` is the target's compiled call (transformers' `compile_config` path, a "batched" plan on a
     static cache): the 4D mask alone then carries the plan, the target's own attention applies it, and
-    dynamo traces one graph per block size. `lean`: the target `llama_verify.fits` (a Llama on packed weights),
-    whose forward then skips transformers' module dispatch, with the same result, growing the cache in this room.
+    dynamo traces one graph per block size. This is the default backend's verify forward (hf_eagle31.backends).
     """
-    if lean is not None and compiled is None and llama_verify.fits_step(cache, plan):
-        return llama_verify.llama_verify_forward(target, cache, lean, plan, tokens, positions, target_layer_ids)
     cache.activate_past_recording()
     total = static_capacity(cache) or int(cache.get_seq_length()) + tokens.shape[1]
     inputs = dict(input_ids=tokens, position_ids=positions, **{CACHE_KWARG: cache}, use_cache=True,
                   attention_mask=plan.layer_mask(total)[:, None],  # 4D: transformers passes it on (and builds no mask)
                   output_hidden_states=capture_request(target_layer_ids))
-    out = compiled(**inputs) if compiled is not None else target(**inputs, eagle_verify_plan=plan)
+    if compiled is not None:
+        out = compiled(**inputs)
+    else:
+        with exact_mode(plan):
+            out = target(**inputs, eagle_verify_plan=plan)
     return out.logits.float(), select_features(out.hidden_states, target_layer_ids)
-
-
-def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Tensor:
-    """Pack each row's kept block entries (`kept[b]`, ascending) at `start`, cut the block to the longest.
-
-    Returns the `[B, longest]` bool mask of the packed entries that are real (the rest are holes).
-    `start` counts every token cached before the block; a sliding-window layer holds fewer, so each
-    dynamic layer finds the block at its own end; a static layer has it at `start`. Keys and values
-    are gathered separately: their head sizes differ in MLA targets (DeepSeek, MiniCPM3).
-    """
-    block = int(cache.get_seq_length()) - start
-    longest = max(k.shape[0] for k in kept)
-    device = next(layer.keys.device for layer in cache.layers if layer.is_initialized)
-    index = torch.zeros(len(kept), longest, dtype=torch.long, device=device)
-    real = torch.zeros(len(kept), longest, dtype=torch.bool, device=device)
-    for b, k in enumerate(kept):
-        index[b, : k.shape[0]] = k.to(device)
-        real[b, : k.shape[0]] = True
-    in_place = all(torch.equal(k.cpu(), torch.arange(k.shape[0])) for k in kept)  # a chain's, or the root alone
-    gathers = {}  # (heads, head size) -> the index expanded to them: layers share a few shapes
-    for layer in cache.layers:
-        if in_place or not layer.is_initialized:
-            continue
-        first = start if isinstance(layer, StaticLayer) else layer.keys.shape[2] - block
-        for entries in (layer.keys, layer.values):
-            shape = entries.shape[1], entries.shape[3]
-            if shape not in gathers:
-                gathers[shape] = index[:, None, :, None].expand(-1, shape[0], -1, shape[1])
-            entries[:, :, first : first + longest] = entries[:, :, first : first + block].gather(2, gathers[shape])
-    truncate_cache(cache, start + longest)
-    return real
 
 
 def subtree(tree: DraftTree, root: int, max_depth: int | None) -> torch.Tensor:
@@ -452,38 +254,3 @@ def subtree(tree: DraftTree, root: int, max_depth: int | None) -> torch.Tensor:
         if parent >= 0 and inside[parent] and int(tree.depths[node]) <= limit:
             inside[node] = True
     return inside.nonzero().flatten()
-
-
-def children_by_token(tree: DraftTree) -> list[dict[int, int]]:
-    children: list[dict[int, int]] = [{} for _ in range(len(tree))]
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        if parent >= 0:
-            children[parent].setdefault(token, node)
-    return children
-
-
-@dataclass
-class Walk:
-    nodes: list[int]  # the walked nodes: the start node, then every accepted child
-    tokens: list[int]  # the token the target emitted at each walked node
-    stopped: bool  # a stopping criterion fired
-    next_root: int | None  # an accepted child outside the verified nodes (its subtree is verified next)
-
-
-def walk(children: list[dict[int, int]], start: int, emit: Callable[[int], tuple[int, bool]], verified) -> Walk:
-    """The acceptance walk: the target emits a token at each node; the walk moves to the child carrying it.
-
-    `emit(node)` processes the node's target logits, picks the token as plain `generate` would and
-    returns `(token, stop)`; `verified` holds the nodes whose logits exist (a chunk of a micro-batched tree).
-    """
-    nodes, tokens, node = [], [], start
-    while True:
-        token, stop = emit(node)
-        nodes.append(node)
-        tokens.append(token)
-        child = children[node].get(token)
-        if stop or child is None:
-            return Walk(nodes, tokens, stop, None)
-        if child not in verified:
-            return Walk(nodes, tokens, False, child)
-        node = child

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny_models import PROMPTS, make_target, trained_pair
 
-from hf_eagle31 import llama_verify
+from hf_eagle31.backends.cpu import lean as llama_verify
+from hf_eagle31.backends.cpu.products import can_pack
 from hf_eagle31.bench.report import write_results
 from hf_eagle31.bench.runner import Method, run_all
-from hf_eagle31.packing import can_pack
 from hf_eagle31.tuning import apply_choice, choose_tree_shape, projected_tau, verify_cost_curve
 
 
@@ -92,7 +92,7 @@ def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path, monkeypatch):
     assert results[0].identical_prompts is None and all(r.new_tokens == 2 * 24 for r in results)
     assert results[0].step_seconds is None and 0 < results[3].step_seconds < results[3].seconds  # the loop's part
     assert results[3].tau(len(prompts)) > 1.5 and results[3].acceptance_per_depth[0] > 0.5
-    # every drafted step is a target forward, the lean verify forward's (llama_verify.py) included
+    # every drafted step is a target forward, the lean verify forward's (backends/cpu/lean.py) included
     assert all(r.target_forwards >= r.reached[0] + len(prompts) for r in results[2:])
     assert any(lean_forwards) or not can_pack(target)
     payload = write_results(tmp_path, results, len(prompts), {"date": "today"}, {})
@@ -300,10 +300,10 @@ def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
     assert report.choice == report.paths["packed" if report.pack_weights else "default"]
     apply_choice(drafter, report)
     assert drafter.generation_config.pack_weights is (slow == "default")
-    from hf_eagle31 import packing
+    from hf_eagle31.backends.cpu import products
 
-    packed, pack_linears = [], packing.pack_linears
-    monkeypatch.setattr(packing, "pack_linears", lambda model: packed.append(model) or pack_linears(model))
+    packed, made = [], products.Products.__init__
+    monkeypatch.setattr(products.Products, "__init__", lambda self, model: packed.append(model) or made(self, model))
     target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=4, assistant_model=drafter)
     assert (target in packed) is (slow == "default")
 
@@ -358,7 +358,11 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys):
     assert cli_main(["bench", "--pair", "demo", "--num-prompts", "1", "--max-new-tokens", "6", "--no-tune",
                      "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert [m["name"] for m in results["methods"]][:3] == ["target alone", "assisted (small LM)", "prompt lookup"]
+    assert [m["name"] for m in results["methods"]][:4] == ["target alone", "target alone, fast decoding",
+                                                          "assisted (small LM)", "prompt lookup"]
+    plain = [m for m in results["methods"] if m["name"].startswith("target alone")]
+    assert max(m["speedup"] for m in plain) == pytest.approx(1.0)  # speedups are over the faster plain decoding
+    assert results["methods"][0]["speedup_default"] == pytest.approx(1.0)
     assert all(m["identical_to_target"] for m in results["methods"][1:])
     # --no-tune: the bound comes from the costs in each drafter's shipped tuning.json
     shipped = json.loads((Path(__file__).parents[1] / "examples/demo_pair/eagle31/tuning.json").read_text())

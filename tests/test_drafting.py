@@ -12,7 +12,9 @@ from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention_reference
-from hf_eagle31.verification import VerifyPlan, compact_cache, decode_equivalent_attention
+from hf_eagle31.cache import compact_cache
+from hf_eagle31.exact import decode_equivalent_attention
+from hf_eagle31.verification import VerifyPlan
 
 
 def context(target, drafter, prompt):

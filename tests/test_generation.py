@@ -337,7 +337,7 @@ def test_bad_speculation_settings_are_named(setting, value):
 
 
 def test_interrupting_an_exact_verify_forward_leaves_nothing_switched_on():
-    from hf_eagle31.verification import RowByRowLinear
+    from hf_eagle31.exact import RowByRowLinear
 
     target, drafter = trained_pair("llama", True, speculation_mode="tree", verify_mode="exact")
     calls = []
@@ -498,3 +498,53 @@ print([o.tolist() for o in outs])
         for flag in ("0", "1")
     ]
     assert results[0] == results[1] and results[0].strip()
+
+
+def test_each_call_records_its_own_statistics_even_when_threads_share_a_drafter():
+    """Two threads, one drafter: each call's statistics are its own, returned with the output and held as
+    `drafter.speculation_stats` for the calling thread (before, the later call overwrote the earlier's)."""
+    import threading
+
+    target, drafter = trained_pair("llama", eagle31=True)
+    calls = {"short": (PROMPTS[0:1], 6), "long": (PROMPTS[3:4], 40)}
+    results, barrier = {}, threading.Barrier(2)
+
+    def call(name):
+        prompt, new = calls[name]
+        barrier.wait()
+        out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=new,
+                              return_dict_in_generate=True)
+        results[name] = (out, drafter.speculation_stats, prompt.shape[1])
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name, (out, held, prompt_length) in results.items():
+        assert out.speculation_stats is held
+        emitted = out.sequences.shape[1] - prompt_length - 1  # the first token comes from the prefill
+        assert held.speculative_tokens + held.plain_steps == emitted
+    assert results["short"][1] is not results["long"][1]
+    assert drafter.speculation_stats is None or drafter.speculation_stats not in (results["short"][1],
+                                                                                 results["long"][1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fast_decoding_is_plain_decoding_on_the_fastest_forward(arch, monkeypatch):
+    """`custom_generate=hf_eagle31.fast_decoding`: one token a step through the backend EAGLE verifies on (the lean
+    forward for these), the output plain `generate`'s, for one prompt and a left-padded batch."""
+    from hf_eagle31.backends.cpu import lean
+    from hf_eagle31.backends.cpu.products import can_pack
+
+    target = make_target(arch, seed=4)
+    forward, lean_calls = lean.llama_verify_forward, []
+    monkeypatch.setattr(lean, "llama_verify_forward", lambda *args: lean_calls.append(1) or forward(*args))
+    for prompts, mask in ((PROMPTS[:1], None), (PROMPTS[1:4], torch.ones(3, PROMPTS.shape[1], dtype=torch.long))):
+        if mask is not None:
+            mask[1, :3] = 0
+        expected = target.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=20)
+        out = target.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                              custom_generate=hf_eagle31.fast_decoding)
+        assert torch.equal(out, expected)
+    assert bool(lean_calls) is can_pack(target)

@@ -14,7 +14,7 @@ from hf_eagle31.cli import main as cli_main
 from hf_eagle31.conversion.layouts import save_in_layout
 from hf_eagle31.packaged import PACKAGED, PackagedModel, cache_root, hub_id, portable_name
 from hf_eagle31.training import train_drafter
-from hf_eagle31.training.command import load_target
+from hf_eagle31.packaged import load_target
 from hf_eagle31.training.distill import DistillSettings, distill_to_folder
 from hf_eagle31.training.data import Conversation
 

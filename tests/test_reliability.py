@@ -22,7 +22,7 @@ from transformers.utils.logging import disable_progress_bar, enable_progress_bar
 from hf_eagle31 import Eagle3DraftModel
 from hf_eagle31.cli import main
 from hf_eagle31.conversion.layouts import CheckpointError
-from hf_eagle31.verification import RowByRowLinear
+from hf_eagle31.exact import RowByRowLinear
 
 
 def plain(target, prompt, **kwargs):
@@ -214,8 +214,8 @@ def test_bad_checkpoints_get_named_errors(models, tmp_path, damage, error):
 def test_a_drafter_on_another_device_is_named():
     target, drafter = trained_pair("llama", True)
     elsewhere = copy.deepcopy(drafter).to("meta")
-    with pytest.raises(ValueError, match=r"the drafter is on meta but the target's embedding is on cpu: move it "
-                                         r"with drafter.to\('cpu'\)"):
+    with pytest.raises(ValueError, match=r"the drafter is on meta but the target's embedding computes on cpu: move "
+                                         r"the drafter there with drafter.to\('cpu'\)"):
         target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=5, assistant_model=elsewhere)
 
 

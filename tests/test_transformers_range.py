@@ -67,3 +67,4 @@ def test_the_quickstart_path_equals_plain_generate(tmp_path):
     continued = target.generate(more, assistant_model=drafter, do_sample=False, max_new_tokens=8,
                                 **{compat.CACHE_KWARG: cache})
     assert torch.equal(continued, target.generate(more, do_sample=False, max_new_tokens=8))
+

@@ -12,7 +12,7 @@ import torch
 
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.packaged import load_packaged_model
-from hf_eagle31.packing import packed_weights
+from hf_eagle31.backends import backend_for
 from hf_eagle31.training.capacity import add_decoder_layers
 from hf_eagle31.tuning import draft_cost
 
@@ -31,8 +31,9 @@ def main() -> None:
             costs = {1: [], 2: []}
             for _ in range(ROUNDS):
                 for layers, drafter in ((1, one), (2, two)):
-                    with torch.no_grad(), packed_weights(drafter):
-                        costs[layers].append(draft_cost(drafter, levels, width) * 1e3 / levels)
+                    products = backend_for(target, True).products(drafter)
+                    with torch.no_grad():
+                        costs[layers].append(draft_cost(drafter, levels, width, products=products) * 1e3 / levels)
             a, b = statistics.median(costs[1]), statistics.median(costs[2])
             print(f"{str(dtype)[6:]} width {width}, {levels} levels: ms a level, 1 layer {a:.2f}, 2 layers {b:.2f} "
                   f"({b / a:.2f}x)")

@@ -283,7 +283,10 @@ def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False, 
     tuned for sampling (`sampling_shape`) is a row of its own, so the two calibrations meet in one run."""
     from hf_eagle31.bench.runner import Method
 
-    methods = [Method("target alone")]
+    from hf_eagle31.generation import fast_decoding
+
+    # plain generate as users run it by default, then the fastest plain decoding this package offers
+    methods = [Method("target alone"), Method("target alone, fast decoding", {"custom_generate": fast_decoding})]
     if assistant is not None:
         methods.append(Method("assisted (small LM)", {"assistant_model": assistant}))
     methods.append(Method("prompt lookup", {"prompt_lookup_num_tokens": lookup_tokens}))

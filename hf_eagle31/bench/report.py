@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_eagle31.bench.runner import MethodResult
+from hf_eagle31.bench.runner import MethodResult, best_plain
 
 
 def bound(result: MethodResult, tuning: dict, prompts: int, baseline: MethodResult | None = None) -> float | None:
@@ -31,20 +31,20 @@ def bound(result: MethodResult, tuning: dict, prompts: int, baseline: MethodResu
 
 def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | None = None) -> str:
     rows = [
-        "| method | tokens/s | speedup | tau | bound (reached) | acceptance by depth | identical to target "
-        "| peak memory (MiB) |",
-        "|---|---:|---:|---:|---:|---|---|---:|",
+        "| method | tokens/s | speedup | vs default generate | tau | bound (reached) | acceptance by depth "
+        "| identical to target | peak memory (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in results:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_depth[:8]) or "-"
         identical = "-" if r.identical_to_target is None else ("yes" if r.identical_to_target else "**NO**")
         identical += "" if r.identical_prompts is None else f" ({r.identical_prompts}/{prompts})"
         memory = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.0f}"
-        limit = bound(r, tuning or {}, prompts, results[0])
+        limit = bound(r, tuning or {}, prompts, best_plain(results))
         reach = "-" if limit is None else f"{limit:.2f}x ({r.speedup / limit:.0%})"
         rows.append(
-            f"| {r.name} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.tau(prompts):.2f} | {reach} | {acceptance} "
-            f"| {identical} | {memory} |"
+            f"| {r.name} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.speedup_default:.2f}x | "
+            f"{r.tau(prompts):.2f} | {reach} | {acceptance} | {identical} | {memory} |"
         )
     return "\n".join(rows)
 
@@ -72,7 +72,8 @@ def headline(results: list[MethodResult], prompts: int) -> list[str]:
                if name in by_name]
     if eagle31:
         best = max(eagle31, key=lambda r: r.tokens_per_second)
-        for baseline in (results[0].name, "assisted (small LM)", "prompt lookup"):
+        baselines = (best_plain(results).name, results[0].name, "assisted (small LM)", "prompt lookup")
+        for baseline in dict.fromkeys(baselines):
             if baseline in by_name:
                 ratio = best.tokens_per_second / by_name[baseline].tokens_per_second
                 lines.append(f"{best.name} vs {baseline}: {ratio:.2f}x tokens/s")
@@ -117,6 +118,7 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict) -> list[dict]
             "name": r.name,
             "tokens_per_second": r.tokens_per_second,
             "speedup": r.speedup,
+            "speedup_default": r.speedup_default,
             "tau": r.tau(prompts),
             "acceptance_per_depth": r.acceptance_per_depth,
             "reached_per_depth": r.reached,
@@ -128,7 +130,7 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict) -> list[dict]
             "identical_to_target": r.identical_to_target,
             "identical_prompts": r.identical_prompts,
             "speculation": r.speculation,
-            "bound": bound(r, tuning, prompts, results[0]),
+            "bound": bound(r, tuning, prompts, best_plain(results)),
         }
         for r in results
     ]

@@ -1,5 +1,5 @@
-"""`hf-eagle31 bench --verify-cost`: what verifying n tokens costs, on torch's default path and on packed weights
-(and compiled, with --compile-verify), and what a draft level costs beside it.
+"""`hf-eagle31 bench --verify-cost`: what verifying n tokens costs, on the default backend and on the CPU backend's
+products (and compiled, with --compile-verify), and what a draft level costs beside it.
 
 Both curves are measured in one process, in interleaved rounds (medians), and divided by the
 same t(1): one plain step on the target's own weights, which is what speculation has to beat.
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from hf_eagle31.backends import backend_for
 from hf_eagle31.drafting import drafting_width
-from hf_eagle31.packing import can_pack, packed_weights
 from hf_eagle31.tuning import draft_cost, target_step, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-PATHS = {"default": False, "packed": True}  # name -> pack the weights (hf_eagle31/packing.py)
+PATHS = {"default": False, "packed": True}  # name -> `pack_weights`: the CPU backend's products (hf_eagle31.backends)
 COMPILED = "packed, compiled"  # the packed path's lean forward compiled (`compile_verify`), with --compile-verify
 
 
@@ -39,7 +39,7 @@ def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, c
 
 
 def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10,
-                before: Callable[[], object] | None = None) -> dict:
+                before: Callable[[], object] | None = None, products=None) -> dict:
     """Seconds per draft level of a `top_k` tree `depth` levels deep: in all, and in the drafter's forward.
 
     Best of `repeats` trees, as the verify costs and the tuner time theirs, each after an untimed call of `before`;
@@ -50,7 +50,7 @@ def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10,
     hooks = [drafter.register_forward_pre_hook(lambda *_: spans.append([time.perf_counter(), 0.0])),
              drafter.register_forward_hook(lambda *_: spans[-1].__setitem__(1, time.perf_counter()))]
     try:
-        tree = draft_cost(drafter, depth, top_k, repeats=repeats, before=before)
+        tree = draft_cost(drafter, depth, top_k, repeats=repeats, before=before, products=products)
     finally:
         for hook in hooks:
             hook.remove()
@@ -107,12 +107,12 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
     for dtype in dict.fromkeys([target.dtype, torch.bfloat16]):  # a bf16 drafter beside an fp32 target too
         drafter.to(dtype)
         for name, pack in PATHS.items():
-            if pack and not can_pack(drafter):
+            products = backend_for(target, pack).products(drafter)
+            if pack and products is None:
                 continue
-            with packed_weights(drafter, pack):
-                for width, depth in trees:
-                    label = f"{name}, {str(dtype).removeprefix('torch.')} drafter, tree {width} wide, {depth} levels"
-                    drafting[label] = draft_split(drafter, depth, width, before=after_target)
+            for width, depth in trees:
+                label = f"{name}, {str(dtype).removeprefix('torch.')} drafter, tree {width} wide, {depth} levels"
+                drafting[label] = draft_split(drafter, depth, width, before=after_target, products=products)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds, "draft_level_seconds": drafting},

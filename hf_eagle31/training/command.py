@@ -14,6 +14,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from hf_eagle31.folders import removed_on_failure
+from hf_eagle31.packaged import load_target
 from hf_eagle31.training.distill import ANSWERS
 from hf_eagle31.training.trainer import ARCHITECTURES, MAX_TTT_STEPS, TrainingConfig, resumable, train_drafter
 
@@ -59,25 +60,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--feature-cache", help="folder for an offline cache of target features (default: computed online)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     add("--seed", type=int, default=defaults.seed, help="seed of initialisation, shuffling and sampled answers")
-
-
-def load_target(name: str):
-    """The target and its tokenizer (None if it has none), with a clear error for an unreadable folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_eagle31.packaged import portable_name, resolve_model
-
-    path = resolve_model(name)
-    try:
-        target = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load the target model {path}: {err}") from None
-    target.name_or_path = portable_name(name)  # a packaged model by its Hub id, not this machine's cache folder
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        tokenizer = None
-    return target, tokenizer
 
 
 def run(args: argparse.Namespace) -> None:

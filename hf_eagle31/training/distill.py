@@ -314,7 +314,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from hf_eagle31.training.command import load_target
+    from hf_eagle31.packaged import load_target
     from hf_eagle31.training.data import read_examples
 
     target, tokenizer = load_target(args.target)

@@ -1,14 +1,15 @@
-"""A Llama-family target's verify forward on packed weights: transformers' own ops, without its module dispatch.
+"""A Llama-family target's verify forward on the CPU backend's products: transformers' own ops, without its module
+dispatch.
 
-Why: on a CPU, a verify forward of SmolLM2-135M on packed weights spends 2-4 ms of 35-40 (2 threads)
-in transformers' machinery around the products: module calls, keyword plumbing, the attention
-interface, output capturing. Serving engines compile that away; `torch.compile` did not gain here
-(docs/benchmarks.md). The forward below computes the same products in the same order (transformers' own
-norm and `rotate_half` in its rotary formula, EAGLE's own attention function) on the same packed
-weights and cache, so its logits, features and cache equal the transformers path's bit for bit
-(tests/test_llama_verify.py compares them). It runs only where that holds by construction:
+Why: on a CPU, transformers' machinery around the products (module calls, keyword plumbing, the attention
+interface, output capturing; on the CPU backend also `ProductsMode` seeing every op) is 15-27% of a verify
+step of SmolLM2-135M, eager, fp32 and bf16, 1-16 tokens, 2 threads. The forward below computes the same
+products in the same order (transformers' own
+norm and `rotate_half` in its rotary formula, EAGLE's own attention function) on the same products
+and cache, so its logits, features and cache equal the transformers path's bit for bit
+(tests/test_lean.py compares them). It runs only where that holds by construction:
 transformers' own Llama, Mistral or Qwen2 classes (one layer design: `FAMILIES`) without sliding
-windows, every projection packed (packing.py), no hooks or replaced forwards on the modules it
+windows, a product for every projection (products.py), no hooks or replaced forwards on the modules it
 steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
 Anything else, on any device, runs the target's own forward. Two things are done differently, with the same
 numbers: the queries and keys are rotated in one go, and the cache grows in place (`CacheRoom`) instead of by
@@ -34,9 +35,9 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.utils import output_capturing
 
-from hf_eagle31 import verification  # its `verify_forward` calls this module's forward (a cycle Python resolves)
+from hf_eagle31 import verification
+from hf_eagle31.backends.cpu.products import Products, ProductsMode, active_products, packed_product, product_key
 from hf_eagle31.kernels.tree_attention import grouped_attention
-from hf_eagle31.packing import one_product, packed_product, product_key
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def _window(attention: nn.Module) -> int | None:
     return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
 
 
-def _fits_layer(layer: nn.Module, family: Family) -> bool:
+def _fits_layer(layer: nn.Module, family: Family, products: Products) -> bool:
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if not (type(layer) is family.layer and type(attention) is family.attention and type(mlp) is family.mlp and
             type(layer.input_layernorm) is family.norm and type(layer.post_attention_layernorm) is family.norm and
@@ -91,16 +92,16 @@ def _fits_layer(layer: nn.Module, family: Family) -> bool:
         return False
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
-    return (one_product(attention.q_proj, attention.k_proj, attention.v_proj) and one_product(attention.o_proj) and
-            one_product(mlp.gate_proj, mlp.up_proj) and one_product(mlp.down_proj) and
+    return (products.of(attention.q_proj, attention.k_proj, attention.v_proj) and products.of(attention.o_proj) and
+            products.of(mlp.gate_proj, mlp.up_proj) and products.of(mlp.down_proj) and
             all(map(_no_hooks, projections)) and
             all(map(_quiet, (layer, attention, mlp, layer.input_layernorm, layer.post_attention_layernorm,
                              mlp.act_fn))))
 
 
-def fits(target: PreTrainedModel) -> bool:
-    """Whether `llama_verify_forward` computes the target's verify forwards exactly as `target(...)` would, where
-    `fits_step` too. Checked once per call, after packing: it walks every module (about a millisecond)."""
+def fits(target: PreTrainedModel, products: Products) -> bool:
+    """Whether `llama_verify_forward` computes the target's verify forwards on `products` exactly as `target(...)`
+    would, where `fits_step` too. Checked once per call: it walks every module (about a millisecond)."""
     model = getattr(target, "model", None)
     family = FAMILIES.get(type(model))
     if target.training or family is None or type(model.norm) is not family.norm or \
@@ -108,14 +109,12 @@ def fits(target: PreTrainedModel) -> bool:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:  # apply to every module
         return False
-    # our own hooks on the target switch "exact" verification on, idle in a "batched" plan (`exact_mode_hooks`);
-    # the LM head runs as a module: its hooks see every forward
-    if "forward" in vars(target) or not _hooked_only_by(target, output_capturing.__name__, verification.__name__):
+    if "forward" in vars(target) or not _no_hooks(target):
         return False
     # the embedding is called as a module, as transformers calls it, so a forward of its own runs the same way in
-    # both (packing.py's row lookup from a packed tied head); hooks are refused on it as on the modules stepped over
+    # both; hooks are refused on it as on the modules stepped over
     return _no_hooks(model.embed_tokens) and all(map(_quiet, (model, model.rotary_emb, model.norm))) and \
-        all(_fits_layer(layer, family) for layer in model.layers)
+        all(_fits_layer(layer, family, products) for layer in model.layers)
 
 
 def fits_step(cache: Cache, plan) -> bool:
@@ -125,8 +124,9 @@ def fits_step(cache: Cache, plan) -> bool:
         all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
 
 
+@torch.compiler.assume_constant_result  # traced, a constant of the graph (the graph is guarded on the modules' ids)
 def product_keys(model: nn.Module) -> list[int]:
-    """Each layer's four packed products (q/k/v, o, gate/up, down), in order, as `packing.packed_product`'s keys:
+    """Each layer's four products (q/k/v, o, gate/up, down), in order, as `products.packed_product`'s keys:
     what `_decoder` multiplies by. A key is the first member's `product_key` (`fits` checked that each projection leads
     its product), the same at every packing, so that traced once it is a constant of the compiled graph."""
     return [product_key(linear) for layer in model.layers[: model.config.num_hidden_layers]
@@ -140,7 +140,7 @@ class CacheRoom:
 
     Why: transformers' `DynamicLayer.update` concatenates, copying every cached key and value of every
     layer at every forward, a cost that grows with the context (SmolLM2-135M, fp32, 6,000 cached tokens:
-    1.6-3.4 ms of a 100-110 ms verify forward; docs/serving.md). Here a layer's keys and values are the front of a
+    1.6-3.4 ms of a 100-110 ms verify forward). Here a layer's keys and values are the front of a
     buffer with room behind them (a sixteenth of the cache, at least `MIN_ROOM` tokens), and a block is
     written into that room. Rolling back (`crop`) and compacting (`compact_cache`) keep that front view;
     anything that replaces the tensors (a row leaving the batch, a plain forward's concatenation) makes the
@@ -188,10 +188,10 @@ def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
     return buffer
 
 
-def room_for(target: PreTrainedModel, compiled: bool = False) -> CacheRoom | None:
-    """A fresh room where the target's verify forwards can take the lean forward (`fits`), None where they cannot:
-    what decoding passes on as `lean`, and the tuner too, so it times what decoding runs."""
-    return CacheRoom(product_keys(target.model), compiled) if fits(target) else None
+def room_for(target: PreTrainedModel, products: Products, compiled: bool = False) -> CacheRoom | None:
+    """A fresh room where the target's verify forwards can take the lean forward on `products` (`fits`), None where
+    they cannot."""
+    return CacheRoom(product_keys(target.model), compiled) if fits(target, products) else None
 
 
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
@@ -232,7 +232,7 @@ def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos:
         x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down)
     x = family.norm.forward(model.norm, x)
     states[model.config.num_hidden_layers] = x
-    return x, torch.cat([states[i] for i in target_layer_ids], dim=-1)
+    return x, torch.cat([states[i] for i in target_layer_ids], dim=-1) if target_layer_ids else None
 
 
 @functools.cache
@@ -243,7 +243,7 @@ def compiled_decoder() -> Callable:
     Why: on a 2-core CPU the eager forward spends half its time between the products, in ~50 small operations a
     layer, each costlier than in a loop because the products streaming the weights evict the code and data they
     run on; inductor fuses them into a few C++ kernels, and its C++ wrapper (`cpp_wrapper`) calls those and the
-    products without Python in between (docs/serving.md). `emulate_precision_casts` rounds as eager does after
+    products without Python in between. `emulate_precision_casts` rounds as eager does after
     each bf16 operation (bf16 logits eager's, or one bf16 rounding apart where a fused sum runs in another
     order); fp32 sums in another order too (SmolLM2's logits within 3e-4 of eager's, outputs the same).
     """
@@ -257,7 +257,7 @@ def _ids_and_arguments(guards: list) -> list[bool]:
     globals (dtype, batch size, layer ids, the family's functions), not the ~2,000 on the model's module tree (types,
     attributes, parameters).
 
-    Why: checking those cost ~1 ms of a 19 ms bf16 verify forward of SmolLM2 at every call (-5%, docs/serving.md),
+    Why: checking those cost ~1 ms of a 19 ms bf16 verify forward of SmolLM2 at every call (-5%),
     and they guard nothing a model changes under a generate call: the graph reads its structure (layer count, head
     counts, sizes, fixed for a model) and its norms' weights, which it takes as inputs at each call.
     """
@@ -286,4 +286,5 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     else:
         x, features = _decoder(model, room.products, *inputs)
     room.commit(cache, keys, values)
-    return target.lm_head(x).float(), features
+    with ProductsMode(active_products()):  # the head as a module (its hooks see every forward), on its product
+        return target.lm_head(x).float(), features

@@ -1,4 +1,4 @@
-"""The lean verify forward of a Llama target (hf_eagle31/llama_verify.py) against transformers' own forward."""
+"""The lean verify forward of a Llama target (hf_eagle31/backends/cpu/lean.py) against transformers' own forward."""
 
 import copy
 import subprocess
@@ -10,10 +10,13 @@ import torch
 from tiny_models import _COMMON, PROMPTS, make_target, trained_pair
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
-from hf_eagle31 import llama_verify
+from hf_eagle31.backends import fast_bf16
+from hf_eagle31.backends.cpu import lean as llama_verify
+from hf_eagle31.backends.cpu.products import Products, can_pack, packed_product
+from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.generation import eagle_verification
-from hf_eagle31.packing import can_pack, fast_bf16, packed_product, packed_weights
-from hf_eagle31.verification import VerifyPlan, compact_cache, verify_forward
+from hf_eagle31.cache import compact_cache
+from hf_eagle31.verification import VerifyPlan, verify_forward
 
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 
@@ -26,16 +29,22 @@ def both_forwards(target, prompts, attention_mask):
     caches each left behind."""
     results = []
     for lean in (False, True):
-        with torch.no_grad(), eagle_verification(target), packed_weights(target):
+        with torch.no_grad(), eagle_verification(target):
+            products = Products(target)
             cache = DynamicCache(config=target.config)
-            target(prompts, attention_mask=attention_mask, past_key_values=cache)
+            target(prompts, attention_mask=attention_mask, **{CACHE_KWARG: cache})
             plan = VerifyPlan.for_cache(TREE.expand(len(prompts), -1, -1), cache, "batched", attention_mask.bool(),
                                         prompts.shape[1], len(prompts))
-            assert llama_verify.fits(target) and llama_verify.fits_step(cache, plan)
+            assert llama_verify.fits(target, products) and llama_verify.fits_step(cache, plan)
             tokens = torch.tensor([[5, 9, 17, 33, 65]]).expand(len(prompts), -1)
             positions = attention_mask.sum(-1, keepdim=True) + torch.tensor([[0, 1, 1, 2, 2]])
-            room = llama_verify.room_for(target) if lean else None
-            logits, features = verify_forward(target, cache, plan, tokens, positions, LAYER_IDS, lean=room)
+            with products.active(mode=not lean):
+                if lean:
+                    room = llama_verify.room_for(target, products)
+                    logits, features = llama_verify.llama_verify_forward(target, cache, room, plan, tokens, positions,
+                                                                         LAYER_IDS)
+                else:
+                    logits, features = verify_forward(target, cache, plan, tokens, positions, LAYER_IDS)
             results.append((logits, features, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]))
     return results
 
@@ -75,13 +84,12 @@ def test_only_targets_it_computes_exactly_take_the_lean_forward():
     target = make_target(seed=7)
     prompts = PROMPTS[:1, :8]
 
-    def fits(model, pack=True):
-        with torch.no_grad(), eagle_verification(model), packed_weights(model, pack):
+    def fits(model):
+        with torch.no_grad(), eagle_verification(model):
             model(prompts, output_hidden_states=[1])  # transformers leaves its (inert) capturing hooks behind
-            return llama_verify.fits(model)
+            return llama_verify.fits(model, Products(model))
 
     assert fits(target)
-    assert not fits(target, pack=False)
     assert fits(make_target("qwen2")) and fits(make_target("mistral"))
     assert not fits(MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=4)).eval())
     assert not fits(GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4)).eval())
@@ -89,9 +97,13 @@ def test_only_targets_it_computes_exactly_take_the_lean_forward():
         handle = module.register_forward_hook(lambda *args: None)
         assert not fits(target)
         handle.remove()
+    up = target.model.layers[1].mlp.up_proj
+    up.forward = lambda x: torch.nn.Linear.forward(up, x)  # a user's patch: the lean forward would step over it
+    assert not fits(target)
+    del target.model.layers[1].mlp.up_proj.forward
     assert fits(target)
     cache = DynamicCache(config=target.config)
-    target(prompts, past_key_values=cache)
+    target(prompts, **{CACHE_KWARG: cache})
     assert llama_verify.fits_step(cache, VerifyPlan.for_cache(TREE[None], cache, "batched"))
     assert not llama_verify.fits_step(cache, VerifyPlan.for_cache(TREE[None], cache, "exact"))
 
@@ -105,20 +117,6 @@ def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypat
     plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24)
     eagle = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24, assistant_model=drafter)
     assert calls and torch.equal(eagle, plain)
-
-
-def test_a_call_that_packs_nothing_takes_no_lean_forward_while_another_holds_the_packing(monkeypatch):
-    """The lean forward multiplies by the packed products of its call's own packing: a call with `pack_weights`
-    off, beside another thread's call that packed the target, would find them gone when that one unpacks."""
-    target, drafter = trained_pair("llama", tree_depth=3, tree_top_k=3, tree_total_tokens=6)
-    unpacked = copy.deepcopy(drafter)
-    unpacked.set_target_embedding(target.get_input_embeddings())
-    unpacked.generation_config.pack_weights = False
-    monkeypatch.setattr(llama_verify, "llama_verify_forward", lambda *args: pytest.fail("took the lean forward"))
-    plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24)
-    with packed_weights(target):  # the other thread's packing
-        eagle = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24, assistant_model=unpacked)
-    assert torch.equal(eagle, plain)
 
 
 def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it():
@@ -188,11 +186,11 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
 KEYS_OF_A_FRESH_PROCESS = """
 import sys; sys.path.insert(0, sys.argv[1])
 from tiny_models import make_target
-from hf_eagle31 import llama_verify
-from hf_eagle31.packing import packed_weights
+from hf_eagle31.backends.cpu import lean
+from hf_eagle31.backends.cpu.products import Products
 target = make_target()
-with packed_weights(target):
-    print(llama_verify.product_keys(target.model))
+Products(target)
+print(lean.product_keys(target.model))
 """
 
 
@@ -206,18 +204,19 @@ def test_two_processes_name_the_products_alike_so_inductor_finds_the_graph_anoth
 
 
 def test_a_copied_target_packed_beside_its_original_draws_keys_of_its_own():
-    """A copy carries the original's attributes, the key its products were registered under included: packed at once,
-    the two must not share a key, or the lean forward of one would multiply by the other's weights."""
+    """A copy is another module: the two must not share a key, or a compiled lean forward of one would multiply by
+    the other's weights."""
     target = make_target(seed=3)
-    with packed_weights(target):
-        pass  # its keys drawn
+    Products(target)  # its keys drawn
     other = perturbed_copy(target)
     attention = target.model.layers[0].self_attn
     x = torch.randn(3, attention.q_proj.in_features)
     with torch.no_grad():
         expected = torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1)
-        with packed_weights(target), packed_weights(other):
-            keys, other_keys = (llama_verify.product_keys(model.model) for model in (target, other))
+        products = Products(target)
+        Products(other)
+        keys, other_keys = (llama_verify.product_keys(model.model) for model in (target, other))
+        with products.active():
             got = packed_product(keys[0], x, expected.shape[-1])
     assert not set(keys) & set(other_keys)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)

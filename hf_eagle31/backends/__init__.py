@@ -1,0 +1,97 @@
+"""Device acceleration behind one door: how a call's verify forwards and the drafter's products are computed.
+
+    prepared = backend_for(target, pack_weights).prepare(target, drafter, compile_verify)
+    prepared.forward(**inputs)                                  # any other target forward of the call (the prefill)
+    prepared.verify(cache, plan, tokens, positions, compiled)   # raw logits [B, n, V], features [B, n, 3 H_t]
+    prepared.draft_products                                     # the drafter forward's `products`, or None
+
+The default backend runs transformers' forward unchanged (`verification.verify_forward`) and the drafter's
+layers as modules. The CPU backend (cpu/) computes the same products faster on a CPU and, for a
+Llama-family target, skips transformers' module dispatch. A backend only reads the models: whatever
+happens during a call, they are afterwards what they were before (weights, hooks, forwards), and other
+threads' calls on them never see a backend's work. The decoding loop and tuning take what `prepare`
+gives; nothing below them imports this package (the import contract in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from hf_eagle31.modeling import Eagle3DraftModel, Products
+from hf_eagle31.verification import VerifyPlan, verify_forward
+
+# one verify forward: (cache, plan, tokens [B, n], positions [B, n], transformers' compiled call or None)
+# -> (raw float logits [B, n, V], the drafter's features [B, n, 3 H_t])
+Verify = Callable[[Cache, VerifyPlan, torch.Tensor, torch.Tensor, Callable | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Prepared:
+    """What one call runs the target's forwards and the drafter's products on."""
+
+    forward: Callable[..., object]  # the target's forward for anything but a verify block (the prefill)
+    verify: Verify
+    draft_products: Products | None
+    backend: str
+
+
+class Backend(Protocol):
+    name: str
+
+    def target_forwards(self, target: PreTrainedModel, target_layer_ids: list[int],
+                        compile_verify: bool = False) -> tuple[Callable[..., object], Verify]:
+        """The target's forward for a call's other forwards (the prefill: `forward(**inputs)`) and its verify
+        forward, capturing the features at `target_layer_ids`."""
+
+    def products(self, model: torch.nn.Module) -> Products | None:
+        """Products for the model's linear layers (`modeling.linear_outputs`), None: its layers' own calls."""
+
+
+def prepare(backend: Backend, target: PreTrainedModel, drafter: Eagle3DraftModel | None,
+            compile_verify: bool = False) -> Prepared:
+    """What one call runs on; without a drafter (`fast_decoding`) no features are captured."""
+    layer_ids = drafter.config.target_layer_ids if drafter is not None else []
+    return Prepared(*backend.target_forwards(target, layer_ids, compile_verify),
+                    None if drafter is None else backend.products(drafter), backend.name)
+
+
+class DefaultBackend:
+    """transformers' forward unchanged, the drafter's layers called as modules: any device, any target."""
+
+    name = "default"
+
+    def target_forwards(self, target: PreTrainedModel, target_layer_ids: list[int],
+                        compile_verify: bool = False) -> tuple[Callable[..., object], Verify]:
+        def verify(cache, plan, tokens, positions, compiled=None):
+            return verify_forward(target, cache, plan, tokens, positions, target_layer_ids, compiled)
+
+        return target, verify
+
+    def products(self, model: torch.nn.Module) -> None:
+        return None
+
+
+DEFAULT = DefaultBackend()
+
+
+def backend_for(target: PreTrainedModel, pack_weights: bool) -> Backend:
+    """The backend a call with `pack_weights` (the drafter's setting) runs on: the CPU backend where it serves the
+    target, else the default one."""
+    if pack_weights:
+        from hf_eagle31.backends.cpu import CPU  # imported on first use: a CUDA call never loads the CPU machinery
+
+        if CPU.serves(target):
+            return CPU
+    return DEFAULT
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 products run at full speed on `device`: CUDA, or a CPU where oneDNN computes bf16 (AVX-512)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -1,0 +1,50 @@
+"""The CPU backend: the models' products held beside them (products.py: the rows kernel over fp32 weights as they
+are on an AVX-512 CPU, oneDNN's reordered copies otherwise), and for a Llama, Mistral or Qwen2 target a verify
+forward without transformers' module dispatch (lean.py), eager or compiled (`compile_verify`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from hf_eagle31.backends import Verify
+from hf_eagle31.backends.cpu import lean
+from hf_eagle31.backends.cpu.products import Products, can_pack, products_for
+from hf_eagle31.verification import verify_forward
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def serves(self, target: PreTrainedModel) -> bool:
+        return can_pack(target)
+
+    def target_forwards(self, target: PreTrainedModel, target_layer_ids: list[int],
+                        compile_verify: bool = False) -> tuple[Callable[..., object], Verify]:
+        """Both on one set of products. The prefill runs on them too: in bf16 torch's own path reorders every
+        weight for oneDNN at each forward, which the products did once."""
+        products = products_for(target)
+        room = lean.room_for(target, products, compile_verify)
+
+        def forward(**inputs):
+            with products.active(mode=True):
+                return target(**inputs)
+
+        def verify(cache, plan, tokens, positions, compiled=None):
+            if compiled is not None:  # transformers' compiled call (static cache): its graph over the weights as they are
+                return verify_forward(target, cache, plan, tokens, positions, target_layer_ids, compiled)
+            if room is not None and lean.fits_step(cache, plan):
+                with products.active():
+                    return lean.llama_verify_forward(target, cache, room, plan, tokens, positions, target_layer_ids)
+            with products.active(mode=True):
+                return verify_forward(target, cache, plan, tokens, positions, target_layer_ids)
+
+        return forward, verify
+
+    def products(self, model: nn.Module) -> Products | None:
+        return products_for(model) if can_pack(model) else None
+
+
+CPU = CpuBackend()

@@ -1,0 +1,69 @@
+"""Cache surgery: rolling a target's or drafter's KV cache back, compacting the accepted entries of a verify block,
+and how much room a static cache has left. Everything EAGLE does to a transformers `Cache` beyond `update`."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import StaticLayer
+
+
+def truncate_cache(cache: Cache, length: int) -> None:
+    """Drop cache entries past `length`: a static layer rolls its length back (the next block overwrites the
+    entries past it, nothing is reallocated), a dynamic one crops (negative `crop` works on every transformers 5.x).
+
+    Cropping nothing still shrinks a sliding-window layer that recorded a verify block back to its
+    window (transformers' `crop(0)`), so a run of fully accepted steps does not grow it.
+    """
+    surplus = int(cache.get_seq_length()) - length
+    if surplus < 0:
+        return
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer):
+            layer.cumulative_length.fill_(length)
+        else:
+            layer.crop(-surplus)
+
+
+def static_capacity(cache: Cache) -> int | None:
+    """How many tokens a static cache holds (its layers return that many keys); None for a cache that grows."""
+    static = [layer.max_cache_len for layer in cache.layers if isinstance(layer, StaticLayer)]
+    return min(static) if static else None
+
+
+def draft_room(cache: Cache) -> int:
+    """How many draft nodes still fit after the root: a static cache holds `static_capacity` tokens, a dynamic one
+    grows."""
+    capacity = static_capacity(cache)
+    return 1 << 30 if capacity is None else capacity - int(cache.get_seq_length()) - 1
+
+
+def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Tensor:
+    """Pack each row's kept block entries (`kept[b]`, ascending) at `start`, cut the block to the longest.
+
+    Returns the `[B, longest]` bool mask of the packed entries that are real (the rest are holes).
+    `start` counts every token cached before the block; a sliding-window layer holds fewer, so each
+    dynamic layer finds the block at its own end; a static layer has it at `start`. Keys and values
+    are gathered separately: their head sizes differ in MLA targets (DeepSeek, MiniCPM3).
+    """
+    block = int(cache.get_seq_length()) - start
+    longest = max(k.shape[0] for k in kept)
+    device = next(layer.keys.device for layer in cache.layers if layer.is_initialized)
+    index = torch.zeros(len(kept), longest, dtype=torch.long, device=device)
+    real = torch.zeros(len(kept), longest, dtype=torch.bool, device=device)
+    for b, k in enumerate(kept):
+        index[b, : k.shape[0]] = k.to(device)
+        real[b, : k.shape[0]] = True
+    in_place = all(torch.equal(k.cpu(), torch.arange(k.shape[0])) for k in kept)  # a chain's, or the root alone
+    gathers = {}  # (heads, head size) -> the index expanded to them: layers share a few shapes
+    for layer in cache.layers:
+        if in_place or not layer.is_initialized:
+            continue
+        first = start if isinstance(layer, StaticLayer) else layer.keys.shape[2] - block
+        for entries in (layer.keys, layer.values):
+            shape = entries.shape[1], entries.shape[3]
+            if shape not in gathers:
+                gathers[shape] = index[:, None, :, None].expand(-1, shape[0], -1, shape[1])
+            entries[:, :, first : first + longest] = entries[:, :, first : first + block].gather(2, gathers[shape])
+    truncate_cache(cache, start + longest)
+    return real
