@@ -29,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "reproduce" / "measurements"))  # bench_tree_attention
 
 
 def cuda_tests() -> dict:

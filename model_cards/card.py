@@ -20,6 +20,7 @@ from hf_eagle31.packaged import hub_id, is_local_path, require_hub_id
 
 TEMPLATE = Path(__file__).with_name("drafter_card_template.md")
 HIDDEN_TRAINING_KEYS = {"resume", "feature_cache", "seed"}
+CARD_MARK = "library_name: hf-eagle31"  # in the front matter of every card written here
 
 
 def _format(value) -> str:
@@ -46,8 +47,11 @@ def benchmark_rows(results, arch_name: str | None = None) -> list[dict]:
         alpha = run.get("acceptance_per_depth", run.get("acceptance"))
         if alpha is None:
             raise ValueError(f"benchmark run {number} has no 'acceptance_per_depth' or 'acceptance' list")
+        # a run that measured the best plain decoding too gives both speedups; an older one only over the default
+        over_default = run.get("speedup_default", run.get("speedup"))
         rows.append({"name": run.get("name", run.get("mode", f"run {number}")), "tau": _format(run.get("tau")),
-                     "speedup": _format(run.get("speedup")), "alpha": [_format(float(a)) for a in alpha]})
+                     "speedup": _format(run.get("speedup") if "speedup_default" in run else None),
+                     "speedup_default": _format(over_default), "alpha": [_format(float(a)) for a in alpha]})
     depth = max(len(row["alpha"]) for row in rows)
     for row in rows:
         row["alpha"] += ["–"] * (depth - len(row["alpha"]))
@@ -60,8 +64,9 @@ def _bench_source(results) -> str:
         return ""
     prompts = results.get("prompts", {})
     count = sum(prompts.values()) if isinstance(prompts, dict) else prompts
-    return (f"Measured {results.get('date', '')} on {results.get('machine', 'an unrecorded machine')}, "
-            f"{count} prompts, with `{results['command']}`.")
+    dtype = str(results.get("dtype", "")).removeprefix("torch.")
+    return (f"Measured {results.get('date', '')} on {results.get('machine', 'an unrecorded machine')}"
+            f"{', ' + dtype if dtype else ''}, {count} prompts, with `{results['command']}`.")
 
 
 def _weight_bytes(folder: Path) -> str:
@@ -77,8 +82,10 @@ def write_model_card(
     license: str = "apache-2.0",
     local_base_model: bool = False,
     datasets: list[str] | None = None,
+    overwrite: bool = False,
 ) -> ModelCard:
-    """Write `drafter_dir/README.md` and return the card.
+    """Write `drafter_dir/README.md` and return the card. A README.md this package did not write is kept, and
+    refused, unless `overwrite`; a folder that holds no saved drafter is refused by name.
 
     Args:
         base_model: the target's Hub id (metadata `base_model`; a packaged model's name or cache folder becomes its
@@ -88,14 +95,24 @@ def write_model_card(
         license: set it to the target's license when that differs.
         local_base_model: write a `base_model` that is not a Hub id as given (a folder other machines lack).
         datasets: Hub ids of the datasets the training prompts came from (metadata `datasets`).
+        overwrite: replace a README.md that this package did not write.
     """
     folder = Path(drafter_dir)
     try:
         if not (folder / "config.json").is_file():
             raise OSError("no config.json")
+        if json.loads((folder / "config.json").read_text()).get("model_type") != Eagle3Config.model_type:
+            raise ValueError(f"its config.json is not an {Eagle3Config.model_type} config (save the drafter with "
+                             "save_pretrained, or convert another layout with `hf-eagle31 convert`)")
         config = Eagle3Config.from_pretrained(folder)
     except (OSError, ValueError) as err:
         raise ValueError(f"{folder} does not hold a drafter config: {err}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} holds no drafter weights (*.safetensors): save the drafter there first")
+    readme = folder / "README.md"
+    if readme.is_file() and not overwrite and CARD_MARK not in readme.read_text(errors="replace"):
+        raise ValueError(f"{readme} was not written by hf-eagle31 and would be replaced: move it, or pass "
+                         "--overwrite (overwrite=True) to replace it")
     args_file = folder / "training_args.json"
     if training is None and args_file.exists():
         training = json.loads(args_file.read_text())
@@ -136,7 +153,7 @@ def write_model_card(
         bench_source=_bench_source(benchmark),
         depths=len(rows[0]["alpha"]) if rows else 0,
     )
-    card.save(folder / "README.md")
+    card.save(readme)
     return card
 
 
@@ -150,9 +167,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "(repeatable)")
     parser.add_argument("--bench", help="benchmark results (JSON) for the acceptance table")
     parser.add_argument("--license", default="apache-2.0", help="license id (use the target's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a README.md that hf-eagle31 did not write")
 
 
 def run(args: argparse.Namespace) -> None:
     write_model_card(args.drafter_dir, base_model=args.base_model, benchmark=args.bench, license=args.license,
-                     local_base_model=args.local_base_model, datasets=args.dataset)
+                     local_base_model=args.local_base_model, datasets=args.dataset, overwrite=args.overwrite)
     print(f"wrote {Path(args.drafter_dir) / 'README.md'}")

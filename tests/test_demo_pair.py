@@ -1,6 +1,6 @@
 """The shipped demo pair (examples/demo_pair/): loads offline, fits the weight budget, decodes losslessly.
 
-Skipped when the weights are not there (examples/demo_pair/train_target.py and train_drafters.py build them).
+Skipped when the weights are not there (examples/reproduce/demo_pair/train_target.py and train_drafters.py build them).
 """
 
 from __future__ import annotations

@@ -44,17 +44,19 @@ def test_eagle3_card_and_acceptance_table_from_benchmark_file(tmp_path):
     assert cli_main(["card", str(folder), "--base-model", "acme/tiny", "--bench", str(bench), "--license", "mit"]) == 0
     card = ModelCard.load(folder / "README.md")
     assert "eagle3" in card.data.tags and "eagle3.1" not in card.data.tags and card.data.license == "mit"
-    assert "| chain | 2.500 | 1.800 | 0.800 | 0.600 | 0.400 |" in card.text
-    assert "| teacher-forced | – | – | 0.750 | 0.500 | – |" in card.text
+    # a run without the best plain decoding measured: its speedup is over default generate only, and says so
+    assert "| chain | 2.500 | – | 1.800 | 0.800 | 0.600 | 0.400 |" in card.text
+    assert "| teacher-forced | – | – | – | 0.750 | 0.500 | – |" in card.text
 
 
 def test_a_bench_results_file_gives_the_drafters_own_rows(drafter_dir):
     """`hf-eagle31 bench` writes every method of a run; an EAGLE 3.1 card keeps the EAGLE 3.1 ones."""
-    methods = [{"name": "target alone", "tau": 1.0, "speedup": 1.0, "acceptance_per_depth": []},
-               {"name": "EAGLE-3 tree", "tau": 1.9, "speedup": 1.08, "acceptance_per_depth": [0.7]},
-               {"name": "EAGLE 3.1 tree", "tau": 2.17, "speedup": 1.17, "acceptance_per_depth": [0.79, 0.4]}]
+    methods = [{"name": "target alone", "tau": 1.0, "speedup": 0.9, "speedup_default": 1.0, "acceptance_per_depth": []},
+               {"name": "EAGLE-3 tree", "tau": 1.9, "speedup": 1.08, "speedup_default": 1.2, "acceptance_per_depth": [0.7]},
+               {"name": "EAGLE 3.1 tree", "tau": 2.17, "speedup": 1.17, "speedup_default": 1.3,
+                "acceptance_per_depth": [0.79, 0.4]}]
     card = write_model_card(drafter_dir, benchmark={"command": "hf-eagle31 bench", "methods": methods})
-    assert "| EAGLE 3.1 tree | 2.170 | 1.170 | 0.790 | 0.400 |" in card.text
+    assert "| EAGLE 3.1 tree | 2.170 | 1.170 | 1.300 | 0.790 | 0.400 |" in card.text
     assert "EAGLE-3 tree" not in card.text and "target alone" not in card.text
     with pytest.raises(ValueError, match="no EAGLE 3.1 method"):
         write_model_card(drafter_dir, benchmark={"methods": methods[:2]})
@@ -79,6 +81,25 @@ def test_bad_inputs(tmp_path, drafter_dir, capsys):
         write_model_card(drafter_dir, benchmark={"tau": 2.0})
     assert cli_main(["card", str(drafter_dir), "--bench", str(tmp_path / "missing.json")]) == 2
     assert "cannot read benchmark results" in capsys.readouterr().err
+
+
+def test_a_readme_it_did_not_write_is_kept_unless_overwrite_is_asked(drafter_dir, capsys):
+    (drafter_dir / "README.md").write_text("# My drafter\n\nNotes I wrote by hand.\n")
+    assert cli_main(["card", str(drafter_dir)]) == 2
+    assert "was not written by hf-eagle31" in capsys.readouterr().err
+    assert (drafter_dir / "README.md").read_text().startswith("# My drafter")
+    assert cli_main(["card", str(drafter_dir), "--overwrite"]) == 0
+    assert ModelCard.load(drafter_dir / "README.md").data.library_name == "hf-eagle31"
+    assert cli_main(["card", str(drafter_dir)]) == 0  # its own card: rewritten without asking
+
+
+def test_a_folder_without_a_saved_drafter_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert cli_main(["card", str(tmp_path)]) == 2
+    assert "not an eagle3_drafter config" in capsys.readouterr().err and not (tmp_path / "README.md").exists()
+    make_drafter(make_target()).config.save_pretrained(tmp_path)  # a config, but no weights
+    assert cli_main(["card", str(tmp_path)]) == 2
+    assert "holds no drafter weights" in capsys.readouterr().err and not (tmp_path / "README.md").exists()
 
 
 def test_hub_metadata_and_the_two_line_snippet(drafter_dir):
