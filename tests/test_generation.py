@@ -548,3 +548,24 @@ def test_fast_decoding_is_plain_decoding_on_the_fastest_forward(arch, monkeypatc
                               custom_generate=hf_eagle31.fast_decoding)
         assert torch.equal(out, expected)
     assert bool(lean_calls) is can_pack(target)
+
+
+def test_kernel_mode_where_the_kernel_cannot_run_says_so_once(monkeypatch):
+    """verify_mode="kernel" runs the Triton kernel on CUDA only: elsewhere the call verifies as "batched" and says
+    so, once a process for each reason, instead of silently becoming another mode."""
+    import warnings
+
+    pytest.importorskip("triton")
+    from hf_eagle31 import generation
+
+    monkeypatch.setattr(generation, "_KERNEL_WARNED", set())
+    target, drafter = trained_pair("llama", True)
+    drafter = copy.deepcopy(drafter)
+    drafter.set_target_embedding(target.get_input_embeddings())
+    drafter.generation_config.verify_mode = "kernel"
+    with pytest.warns(UserWarning, match='verify_mode="kernel": the target is not on CUDA, so this call verifies as'):
+        out = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=12, assistant_model=drafter)
+    assert torch.equal(out, plain(target, PROMPTS[:1], max_new_tokens=12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=12, assistant_model=drafter)
