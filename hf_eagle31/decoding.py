@@ -168,7 +168,7 @@ class EagleLoop:
     def __init__(self, model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                  generation_config: GenerationConfig, drafter: Eagle3DraftModel | None, speculation: Speculation,
                  streamer=None, **model_kwargs):
-        self.model, self.input_ids, self.drafter, self.speculation = model, input_ids, drafter, speculation
+        self.input_ids, self.speculation = input_ids, speculation
         self.processors, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
         self.config, self.model_kwargs = generation_config, model_kwargs
         self.batch_size = input_ids.shape[0]
@@ -369,9 +369,10 @@ class EagleLoop:
 
 @torch.no_grad()
 def eagle_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
-                   generation_config: GenerationConfig, drafter: Eagle3DraftModel, speculation: Speculation,
+                   generation_config: GenerationConfig, drafter: Eagle3DraftModel | None, speculation: Speculation,
                    streamer=None, **model_kwargs):
-    """Decode every row of `input_ids` `[B, L]` with EAGLE drafts; the output equals plain `generate`'s, row for row.
+    """Decode every row of `input_ids` `[B, L]` with EAGLE drafts (none without a drafter: `fast_decoding`); the output
+    equals plain `generate`'s, row for row.
 
     Runs inside `eagle_verification(model)` (the `generate` routing takes care of it).
     """

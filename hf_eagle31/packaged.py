@@ -185,10 +185,6 @@ def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: s
     return model, AutoTokenizer.from_pretrained(folder)
 
 
-__all__ = ["PACKAGED", "cached_folder", "hub_id", "is_local_path", "load_packaged_model", "missing_folder", "model_name",
-           "packaged_model_path", "portable_name", "require_hub_id", "resolve_model"]
-
-
 def load_target(name: str):
     """The target and its tokenizer (None if it has none), with a clear error for an unreadable folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -204,3 +200,7 @@ def load_target(name: str):
     except (OSError, ValueError):
         tokenizer = None
     return target, tokenizer
+
+
+__all__ = ["PACKAGED", "cached_folder", "hub_id", "is_local_path", "load_packaged_model", "load_target",
+           "missing_folder", "model_name", "packaged_model_path", "portable_name", "require_hub_id", "resolve_model"]

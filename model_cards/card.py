@@ -20,7 +20,8 @@ from hf_eagle31.packaged import hub_id, is_local_path, require_hub_id
 
 TEMPLATE = Path(__file__).with_name("drafter_card_template.md")
 HIDDEN_TRAINING_KEYS = {"resume", "feature_cache", "seed"}
-CARD_MARK = "library_name: hf-eagle31"  # in the front matter of every card written here
+LIBRARY = "hf-eagle31"
+CARD_MARK = f"library_name: {LIBRARY}"  # in the front matter of every card written here
 
 
 def _format(value) -> str:
@@ -130,7 +131,7 @@ def write_model_card(
     arch_tag = "eagle3.1" if eagle31 else "eagle3"
     linked = base_model is not None and not is_local_path(base_model)  # a Hub id: a link, and the drafter's repo
     card_data = ModelCardData(
-        library_name="hf-eagle31",
+        library_name=LIBRARY,
         pipeline_tag="text-generation",
         base_model=base_model,
         datasets=datasets or None,

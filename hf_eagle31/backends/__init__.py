@@ -1,6 +1,6 @@
 """Device acceleration behind one door: how a call's verify forwards and the drafter's products are computed.
 
-    prepared = backend_for(target, pack_weights).prepare(target, drafter, compile_verify)
+    prepared = prepare(backend_for(target, pack_weights), target, drafter, compile_verify)
     prepared.forward(**inputs)                                  # any other target forward of the call (the prefill)
     prepared.verify(cache, plan, tokens, positions, compiled)   # raw logits [B, n, V], features [B, n, 3 H_t]
     prepared.draft_products                                     # the drafter forward's `products`, or None
@@ -37,7 +37,6 @@ class Prepared:
     forward: Callable[..., object]  # the target's forward for anything but a verify block (the prefill)
     verify: Verify
     draft_products: Products | None
-    backend: str
 
 
 class Backend(Protocol):
@@ -57,7 +56,7 @@ def prepare(backend: Backend, target: PreTrainedModel, drafter: Eagle3DraftModel
     """What one call runs on; without a drafter (`fast_decoding`) no features are captured."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else []
     return Prepared(*backend.target_forwards(target, layer_ids, compile_verify),
-                    None if drafter is None else backend.products(drafter), backend.name)
+                    None if drafter is None else backend.products(drafter))
 
 
 class DefaultBackend:

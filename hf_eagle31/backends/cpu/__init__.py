@@ -33,7 +33,7 @@ class CpuBackend:
                 return target(**inputs)
 
         def verify(cache, plan, tokens, positions, compiled=None):
-            if compiled is not None:  # transformers' compiled call (static cache): its graph over the weights as they are
+            if compiled is not None:  # transformers' compiled call (static cache): its graph on the weights as they are
                 return verify_forward(target, cache, plan, tokens, positions, target_layer_ids, compiled)
             if room is not None and lean.fits_step(cache, plan):
                 with products.active():

@@ -33,10 +33,17 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
-from transformers.utils import output_capturing
 
 from hf_eagle31 import verification
-from hf_eagle31.backends.cpu.products import Products, ProductsMode, active_products, packed_product, product_key
+from hf_eagle31.backends.cpu.products import (
+    Products,
+    ProductsMode,
+    active_products,
+    no_hooks,
+    packed_product,
+    product_key,
+    quiet,
+)
 from hf_eagle31.kernels.tree_attention import grouped_attention
 
 
@@ -62,23 +69,6 @@ FAMILIES = {
 }
 
 
-def _hooked_only_by(module: nn.Module, *owners: str) -> bool:
-    """Whether every hook on the module comes from one of these modules."""
-    hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-    return all(hook.__module__ in owners for hook in hooks)
-
-
-def _no_hooks(module: nn.Module) -> bool:
-    """No hooks but transformers' output capturing ones, which record only inside a transformers forward that asks
-    (it installs them for good at the first `output_hidden_states`; the lean forward captures its own features)."""
-    return _hooked_only_by(module, output_capturing.__name__)
-
-
-def _quiet(module: nn.Module) -> bool:
-    """Calling the module would run exactly its class's forward: no hooks (`_no_hooks`), no forward replaced."""
-    return _no_hooks(module) and "forward" not in vars(module)
-
-
 def _window(attention: nn.Module) -> int | None:
     """The sliding window the layer's attention passes on (Qwen2 sets it per layer, Mistral for all)."""
     return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
@@ -90,13 +80,11 @@ def _fits_layer(layer: nn.Module, family: Family, products: Products) -> bool:
             type(layer.input_layernorm) is family.norm and type(layer.post_attention_layernorm) is family.norm and
             isinstance(mlp.act_fn, nn.Module) and _window(attention) is None):
         return False
-    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
-                   mlp.up_proj, mlp.down_proj)
+    # a projection has a product only while it is quiet (`products.of`)
     return (products.of(attention.q_proj, attention.k_proj, attention.v_proj) and products.of(attention.o_proj) and
             products.of(mlp.gate_proj, mlp.up_proj) and products.of(mlp.down_proj) and
-            all(map(_no_hooks, projections)) and
-            all(map(_quiet, (layer, attention, mlp, layer.input_layernorm, layer.post_attention_layernorm,
-                             mlp.act_fn))))
+            all(map(quiet, (layer, attention, mlp, layer.input_layernorm, layer.post_attention_layernorm,
+                            mlp.act_fn))))
 
 
 def fits(target: PreTrainedModel, products: Products) -> bool:
@@ -109,11 +97,11 @@ def fits(target: PreTrainedModel, products: Products) -> bool:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:  # apply to every module
         return False
-    if "forward" in vars(target) or not _no_hooks(target):
+    if not quiet(target):
         return False
     # the embedding is called as a module, as transformers calls it, so a forward of its own runs the same way in
-    # both; hooks are refused on it as on the modules stepped over
-    return _no_hooks(model.embed_tokens) and all(map(_quiet, (model, model.rotary_emb, model.norm))) and \
+    # both; hooks are refused on it as on the modules stepped over (the lean forward captures its own features)
+    return no_hooks(model.embed_tokens) and all(map(quiet, (model, model.rotary_emb, model.norm))) and \
         all(_fits_layer(layer, family, products) for layer in model.layers)
 
 

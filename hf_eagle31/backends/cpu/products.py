@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from transformers.utils import output_capturing
 
 from hf_eagle31.backends import fast_bf16
 from hf_eagle31.backends.cpu.rows import rows_kernel, rows_linear
@@ -93,6 +94,11 @@ class Product:
     versions: tuple[int, ...]  # the weights' version counters then: a weight changed in place makes it stale
     pending: tuple | None = None  # (input, its version, the outputs not yet taken)
 
+    def holds(self, member: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether `weight` and `bias` are still what member `member` was made from: the same tensors, unchanged."""
+        return weight is self.members[member] and weight._version == self.versions[member] and \
+            bias is self.biases[member]
+
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's output, side by side in the last dimension: the one product."""
         if torch.compiler.is_compiling():
@@ -130,9 +136,16 @@ def _pack(members: list[nn.Linear]) -> Product:
     return Product(packed, bias, sizes, key, weights, biases, versions)
 
 
-def _quiet(module: nn.Module) -> bool:
-    """Calling the module runs exactly its class's forward: no hooks, no forward set on the instance."""
-    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+def no_hooks(module: nn.Module) -> bool:
+    """No hooks but transformers' output capturing ones, which record only inside a transformers forward that asks
+    for hidden states (transformers installs them for good at the first such forward)."""
+    hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+    return all(hook.__module__ == output_capturing.__name__ for hook in hooks)
+
+
+def quiet(module: nn.Module) -> bool:
+    """Calling the module runs exactly its class's forward: no hooks (`no_hooks`), no forward set on the instance."""
+    return no_hooks(module) and "forward" not in vars(module)
 
 
 def _groups(model: nn.Module) -> list[list[nn.Linear]]:
@@ -167,8 +180,7 @@ class Products:
 
     def fresh(self) -> bool:
         """Whether every layer still holds the weight its product was made from (not moved, converted or changed)."""
-        return all(layer.weight is product.members[index] and layer.weight._version == product.versions[index]
-                   and layer.bias is product.biases[index] for layer, product, index in self.by_layer.values())
+        return all(product.holds(index, layer.weight, layer.bias) for layer, product, index in self.by_layer.values())
 
     def of(self, *layers: nn.Linear) -> Product | None:
         """The product that computes exactly these layers, in this order, as their own calls would; None where
@@ -180,7 +192,7 @@ class Products:
         if len(product.sizes) != len(layers) or any(entry[1] is not product or entry[2] != index
                                                     for index, entry in enumerate(entries)):
             return None
-        return product if all(map(_quiet, layers)) else None
+        return product if all(map(quiet, layers)) else None
 
     def __call__(self, x: torch.Tensor, *layers: nn.Linear) -> torch.Tensor | None:
         """The layers' outputs side by side, from their one product; None where they have none (`of`)."""
@@ -214,12 +226,8 @@ class ProductsMode(TorchFunctionMode):
         if func is F.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             entry = self.by_weight.get(id(weight))
-            if entry is not None:
-                product, member = entry
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                if weight is product.members[member] and weight._version == product.versions[member] and \
-                        bias is product.biases[member]:
-                    return product.product(args[0] if args else kwargs["input"], member)
+            if entry is not None and entry[0].holds(entry[1], weight, args[2] if len(args) > 2 else kwargs.get("bias")):
+                return entry[0].product(args[0] if args else kwargs["input"], entry[1])
         return func(*args, **kwargs)
 
 

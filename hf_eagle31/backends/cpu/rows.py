@@ -58,10 +58,11 @@ def rows_kernel() -> bool:
 
 
 def build_directory() -> Path:
-    """Where the kernel is built: per source, torch and Python, under `HF_EAGLE31_CACHE` (default ~/.cache/hf_eagle31)."""
+    """Where the kernel is built: per source, torch and Python, under `HF_EAGLE31_CACHE` (~/.cache/hf_eagle31)."""
     root = Path(os.environ.get("HF_EAGLE31_CACHE", Path.home() / ".cache" / "hf_eagle31"))
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return root / f"rows-{digest}-torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    python = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    return root / f"rows-{digest}-torch{torch.__version__.replace('+', '_')}-{python}"
 
 
 def _build(folder: Path) -> bool:
