@@ -12,7 +12,10 @@
    greedy), "batched" and "kernel" (mismatches counted);
 4. a randomly initialised Llama-3.1-8B-shaped target in bf16 and nf4 (nf4 needs bitsandbytes):
    single-token step time, verify cost curve t(n)/t(1) for n up to 128, drafter tree cost per depth,
-   and the memory planner's prediction against torch.cuda.max_memory_allocated.
+   and the memory planner's prediction against torch.cuda.max_memory_allocated;
+5. drafting beside that target, bf16 and nf4 (`--parts drafting_bf16 drafting_nf4`, under 8 minutes): the tree
+   narrowed, static eager and replayed as a CUDA graph at depth 1-8, the syncs one draft makes, a step's time
+   split, the batch-1 speedup projected at tau 3, 4, 5, and output equal to plain greedy.
 Each part records its own error instead of stopping the rest.
 """
 
@@ -77,20 +80,18 @@ def lossless_on_cuda() -> dict:
     return results
 
 
-def real_shape(quant: str) -> dict:
+def llama8b(quant: str):
+    """A randomly initialised Llama-3.1-8B-shaped target in bf16 or nf4 and an EAGLE 3.1 drafter for it."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from hf_eagle31.bench.projection import REAL_SHAPES
     from hf_eagle31.modeling import Eagle3DraftModel
-    from hf_eagle31.planner import Planner
     from hf_eagle31.training import drafter_config_for
-    from hf_eagle31.tuning import draft_cost, verify_cost_curve
 
-    config = REAL_SHAPES["Llama-3.1-8B"]
     folder = Path("/tmp/llama8b-random")
     if not folder.exists():
         with torch.device("cuda"):
-            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+            AutoModelForCausalLM.from_config(REAL_SHAPES["Llama-3.1-8B"], dtype=torch.bfloat16).save_pretrained(folder)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     quantization = None if quant == "bf16" else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -99,6 +100,15 @@ def real_shape(quant: str) -> dict:
                                                   quantization_config=quantization).eval()
     drafter = Eagle3DraftModel(drafter_config_for(target, "eagle3.1", 32000)).to("cuda", torch.bfloat16).eval()
     drafter.set_target_embedding(target.get_input_embeddings())
+    return target, drafter
+
+
+def real_shape(quant: str) -> dict:
+    from hf_eagle31.bench.projection import REAL_SHAPES
+    from hf_eagle31.planner import Planner
+    from hf_eagle31.tuning import draft_cost, verify_cost_curve
+
+    target, drafter = llama8b(quant)
     context = 1024
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context)
@@ -106,7 +116,7 @@ def real_shape(quant: str) -> dict:
     exact_curve = verify_cost_curve(target, sizes, drafter.config.target_layer_ids, context=context, mode="exact")
     drafts = {d: draft_cost(drafter, d, 10, context=context) for d in (1, 2, 4, 6, 8)}
     measured = torch.cuda.max_memory_allocated()
-    plan = Planner(config).plan(quant, context=context + 128, tree_tokens=128)
+    plan = Planner(REAL_SHAPES["Llama-3.1-8B"]).plan(quant, context=context + 128, tree_tokens=128)
     del target, drafter
     torch.cuda.empty_cache()
     return {
@@ -120,6 +130,45 @@ def real_shape(quant: str) -> dict:
     }
 
 
+def drafting(quant: str) -> dict:
+    """The draft tree (top-k 10) narrowed, static eager and replayed as a CUDA graph at depth 1-8, the syncs a draft
+    makes, a step's split at depth 6 / 60 tokens, the batch-1 speedup projected at tau 3-5, output = plain."""
+    import warnings
+
+    from hf_eagle31.backends.graphs import GraphReplay
+    from hf_eagle31.tuning import draft_cost, target_step, verify_cost_curve
+
+    target, drafter = llama8b(quant)
+    context, after, device = 1024, target_step(target), drafter.device
+    paths = {"narrowed": (False, None), "static": (True, None), "graphed": (True, GraphReplay())}
+    trees = {name: {d: 1e3 * draft_cost(drafter, d, 10, context, before=after, static=static, replay=replay)
+                    for d in range(1, 9)} for name, (static, replay) in paths.items()}
+    syncs = {}
+    for name, (static, replay) in paths.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")  # each implicit synchronization warns
+            draft_cost(drafter, 6, 10, context, repeats=2, static=static, replay=replay)
+            torch.cuda.set_sync_debug_mode("default")
+        syncs[name] = sum("synchroniz" in str(w.message) for w in caught)
+    curve = verify_cost_curve(target, [1, 61], drafter.config.target_layer_ids, context=context)
+    step, verify = 1e3 * curve[1], 1e3 * curve[61]
+    draft = trees["graphed"][6]
+    drafter.generation_config.update(tree_depth=6, tree_top_k=10, tree_total_tokens=60, dynamic_speculation=False,
+                                     collapse_fallback=False, verify_mode="exact")
+    prompt = torch.randint(3, target.config.vocab_size, (1, 64), device=device,
+                           generator=torch.Generator(device).manual_seed(0))
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=24)
+    same = bool(torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=24, assistant_model=drafter),
+                            expected))
+    del target, drafter
+    torch.cuda.empty_cache()
+    return {"tree_ms": trees, "syncs_per_draft_depth6": syncs, "step_ms": step, "verify_61_ms": verify,
+            "graphed_depth6_ms": draft, "drafting_share": draft / (draft + verify),
+            "projected_speedup": {tau: tau * step / (draft + verify) for tau in (3, 4, 5)},
+            "exact_output_equals_plain": same}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/gpu")
@@ -130,7 +179,8 @@ def main() -> int:
         return 1
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     parts = {"cuda_tests": cuda_tests, "kernel_vs_sdpa": kernel_timings, "lossless_bf16": lossless_on_cuda,
-             "llama8b_bf16": lambda: real_shape("bf16"), "llama8b_nf4": lambda: real_shape("nf4")}
+             "llama8b_bf16": lambda: real_shape("bf16"), "llama8b_nf4": lambda: real_shape("nf4"),
+             "drafting_bf16": lambda: drafting("bf16"), "drafting_nf4": lambda: drafting("nf4")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, part in parts.items():

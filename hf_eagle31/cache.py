@@ -3,6 +3,8 @@ and how much room a static cache has left. Everything EAGLE does to a transforme
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers import Cache
 from transformers.cache_utils import StaticLayer
@@ -67,3 +69,46 @@ def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.T
             entries[:, :, first : first + longest] = entries[:, :, first : first + block].gather(2, gathers[shape])
     truncate_cache(cache, start + longest)
     return real
+
+
+class DraftCache:
+    """The drafter's KV cache in fixed buffers, `[B, kv_heads, capacity, D]` per layer, each `update` written at the
+    cache indices `at` (`[n]`, a device tensor) and returning the first `width` slots, or all (the caller's mask
+    hides the slots not written).
+
+    Why not a transformers cache: a draft writes its levels after the real entries and the next catch-up
+    overwrites them. `DynamicCache` concatenates (each level copies the whole cache and every step has new
+    shapes); `StaticCache` writes where the attention's `cache_kwargs` say, which every drafter layer would
+    then pass. Here the drafter's layers call `update(key, value, layer_idx)` and the drafting says where, so a
+    draft of one shape runs the same kernels on the same tensors at every step (what a CUDA graph replays).
+    `version` names the buffers, unique in the process: it changes whenever they are replaced (grown, rows
+    selected), and a capture of other buffers is stale.
+    """
+
+    _versions = itertools.count()
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.at: torch.Tensor | None = None
+        self.width: int | None = None  # the slots `update` returns, the first ones (None: all)
+        self.version = next(self._versions)
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx not in self.layers:  # zeros, not empty: a hidden slot's value must not be NaN (0 * NaN)
+            self.layers[layer_idx] = tuple(new.new_zeros(*new.shape[:2], self.capacity, new.shape[3])
+                                           for new in (key, value))
+        keys, values = self.layers[layer_idx]
+        keys.index_copy_(2, self.at, key)
+        values.index_copy_(2, self.at, value)
+        return keys[:, :, : self.width], values[:, :, : self.width]
+
+    def grow(self, capacity: int) -> None:
+        self.capacity, self.version = capacity, next(self._versions)
+        self.layers = {index: tuple(torch.cat([part, part.new_zeros(*part.shape[:2], capacity - part.shape[2],
+                                                                      part.shape[3])], dim=2) for part in pair)
+                       for index, pair in self.layers.items()}
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.version = next(self._versions)
+        self.layers = {index: (keys[rows], values[rows]) for index, (keys, values) in self.layers.items()}

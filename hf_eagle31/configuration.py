@@ -30,13 +30,18 @@ SPECULATION_DEFAULTS: dict[str, Any] = {
     # on the CPU backend, a Llama-family target's verify forward compiled by inductor (backends/cpu/lean.py):
     # 10-16% cheaper, after a first call that compiles for 1-2 minutes (then ~20 s in each new process)
     "compile_verify": False,
+    # how a tree is drafted: "narrowed" (each level only as wide as nodes the tree may still keep, stopping early:
+    # the host reads scores back between levels), "static" (every level of a shape the same tensors, nothing read
+    # back; a CUDA drafter replays each shape as a CUDA graph), "auto" (static on CUDA, narrowed elsewhere)
+    "draft_mode": "auto",
 }
 
 
 POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k": 64, "tree_total_tokens": 1024,
                      "max_speculation_depth": 64, "verify_chunk_depth": 64}  # name -> largest value accepted
 VERIFY_MODES = ("batched", "kernel", "exact")
-CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES}
+DRAFT_MODES = ("auto", "narrowed", "static")
+CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES, "draft_mode": DRAFT_MODES}
 SWITCHES = ("dynamic_speculation", "collapse_fallback", "pack_weights", "compile_verify")
 
 
@@ -97,6 +102,7 @@ class SpeculationSettings:
     verify_mode: str
     pack_weights: bool
     compile_verify: bool
+    draft_mode: str
     sampling_shape: TunedShape | None = None  # tuned for do_sample=True with one prompt
     batch_shapes: dict[int, TunedShape] = field(default_factory=dict)  # tuned per batch size
 

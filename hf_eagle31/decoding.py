@@ -67,6 +67,7 @@ class Speculation:
     compiled: Callable | None = None  # the target's compiled call (static cache, compile_config)
     block_size: int = 0  # with `compiled`: every verify block padded to this many tokens, one graph per call
     prepared: Prepared | None = None  # the call's device backend: its verify forward and the drafter's products
+    static_draft: bool = False  # fixed-shape drafts (`draft_tree`'s `static`), replayed where the backend can
 
 
 @dataclass
@@ -186,9 +187,14 @@ class EagleLoop:
         self.pad = int(pad) if pad is not None else 0
         self.rows: list[Row] = []
         self.finished: list[Row] = []
-        self.state = None if drafter is None else DrafterState(drafter, self.batch_size,
-                                                               speculation.prepared.draft_products)
+        self.state = None
+        if drafter is not None:
+            prepared = speculation.prepared
+            room = input_ids.shape[1] + 256 + speculation.controller.high * speculation.top_k  # grows by doubling
+            self.state = DrafterState(drafter, self.batch_size, prepared.draft_products, room,
+                                      prepared.draft_replay if speculation.static_draft else None)
         self.key_mask: torch.Tensor | None = None  # [B, cached]: False for a pad, later also for a hole
+        self.padded = self.holed = False  # whether `key_mask` hides a pad, may hide a hole: known without reading it
         self.streamed = input_ids.shape[1]
 
     def run(self):
@@ -225,6 +231,7 @@ class EagleLoop:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.key_mask = attention_mask.bool()
+        self.padded = not bool(self.key_mask.all())
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(~self.key_mask, 0)
         out = self.speculation.prepared.forward(input_ids=input_ids[:, start:], attention_mask=attention_mask,
                          position_ids=positions[:, start:], use_cache=True, **{CACHE_KWARG: cache},
@@ -256,14 +263,14 @@ class EagleLoop:
             return [DraftTree.root_only(root) for root in roots], speculate
         temperature = float(self.config.temperature or 1.0) if self.do_sample else None
         return draft_tree(self.state, roots, depth, speculation.top_k, min(speculation.total_tokens, room),
-                          temperature), True
+                          temperature, speculation.static_draft), True
 
     def verify(self, trees: list[DraftTree]) -> list[RowStep]:
         """Verify every row's tree, chunk by chunk, and walk it; the cache keeps the walked nodes, the drafter is fed
         their features. `[B]` trees in, what each row did out."""
         speculation, cache = self.speculation, self.cache
         ancestors = [tree.ancestor_mask() for tree in trees]
-        children = [children_by_token(tree) for tree in trees]
+        children = None  # the walk's, read from the trees once the first forward is under way
         roots = [row.position - 1 for row in self.rows]  # each tree root's position
         steps = [RowStep() for _ in self.rows]
         empty = torch.zeros(0, dtype=torch.long, device=trees[0].tokens.device)
@@ -274,15 +281,17 @@ class EagleLoop:
             tokens, positions, mask = _block(trees, ancestors, blocks, roots, self.pad,
                                              speculation.block_size if fixed else 0)
             plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, self.key_mask, self.input_ids.shape[1],
-                                        self.batch_size)
+                                        self.batch_size, (self.padded, self.holed))
             logits, features = speculation.prepared.verify(cache, plan, tokens, positions,
                                                            speculation.compiled if fixed else None)
+            children = children or [children_by_token(tree) for tree in trees]
             kept = [empty if step.next_root is None else
                     self.walk(b, trees[b], children[b], step, block, logits[b],
                               None if features is None else features[b : b + 1])
                     for b, (step, block) in enumerate(zip(steps, blocks))]
             real = compact_cache(cache, plan.cached, kept).to(self.key_mask.device)
             self.key_mask = torch.cat([self.key_mask, real], dim=1)
+            self.holed = self.holed or len({k.shape[0] for k in kept}) > 1
         return steps
 
     def walk(self, b: int, tree: DraftTree, children: list[dict[int, int]], step: RowStep, block: torch.Tensor,

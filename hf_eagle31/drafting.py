@@ -2,20 +2,28 @@
 
 The drafter lags the target by one token: its cache entry `t` pairs the target's feature at `t`
 with token `t + 1`. Only entries built from real target features are kept between steps; the
-entries a draft adds are dropped at the next `catch_up`, which first feeds the features of what
+entries a draft adds are overwritten by the next `catch_up`, which first feeds the features of what
 the target has accepted since.
+
+A tree is drafted narrowed (each level only as wide as nodes the tree may still keep, which the host
+reads back) or static (every level of a shape on the same tensors, the tree selected on the device:
+nothing is read back, and a backend may replay the whole draft as captured, as CUDA graphs do).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache
 
-from hf_eagle31.cache import truncate_cache
+from hf_eagle31.cache import DraftCache
 from hf_eagle31.modeling import Eagle3DraftModel, Products
+
+# a device backend's replay of a fixed-shape draft: `replay(draft, key, inputs)` returns `draft(*inputs)`, computed
+# by a capture made once per `key` (the shape and the buffers the draft reads) and replayed
+Replay = Callable[[Callable[..., tuple], Hashable, tuple[torch.Tensor, ...]], tuple]
 
 
 class DrafterState:
@@ -25,17 +33,24 @@ class DrafterState:
     as one block as long as the longest queue: a shorter row's surplus entries are holes that
     `key_mask` hides from every later query, and `positions` counts each row's real entries, so a
     row drafts exactly as it would alone (decoding.py keeps the target's cache the same way).
+
+    The cache is a `DraftCache` of fixed buffers: the entries a draft writes after the `length` real ones
+    are hidden by `key_mask` and overwritten by the next catch-up. A draft level's forward (`draft_forward`)
+    then reads and writes the same tensors at every step, and where it writes is on the device (`start`),
+    so a device can replay a whole draft as captured (`replay`, a backend's: CUDA graphs).
     """
 
-    def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1, products: Products | None = None):
+    def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1, products: Products | None = None,
+                 capacity: int = 256, replay: Replay | None = None):
         self.drafter = drafter
         self.products = products  # a device backend's products for the drafter's layers (modeling.linear_outputs)
-        self.cache = DynamicCache()
-        self.length = 0  # cache entries built from target features, holes included
+        self.replay = replay  # a device backend's replay of a fixed-shape draft (drafting with `static`)
         device = drafter.fc.weight.device
-        self.key_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.cache = DraftCache(capacity)
+        self.length = 0  # cache entries built from target features, holes included
+        self.key_mask = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # the real entries
+        self.start = torch.zeros((), dtype=torch.long, device=device)  # `length` on the device: where a draft writes
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real entries per row
-        self.holes = False  # whether `key_mask` may hide an entry: set by a catch-up where a row fed less than another
         self._features: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
         self._tokens: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
 
@@ -47,53 +62,70 @@ class DrafterState:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (in this order): the others have finished."""
-        self.cache.batch_select_indices(rows.to(self.key_mask.device))
+        rows = rows.to(self.key_mask.device)
+        self.cache.select(rows)
         self.key_mask, self.positions = self.key_mask[rows], self.positions[rows]
         self._features = [self._features[r] for r in rows.tolist()]
         self._tokens = [self._tokens[r] for r in rows.tolist()]
 
-    def visible(self, tail: torch.Tensor) -> torch.Tensor:
-        """The drafter's `tail_mask` for queries that see `tail` `[n, m]` or `[B, n, m]` over the entries
-        drafted since `catch_up`, and every real cached entry before them."""
-        if not self.holes:
-            return tail
+    def reserve(self, entries: int) -> None:
+        """Room for `entries` cache entries: the buffers grow by doubling (a replayed draft is captured anew)."""
+        if entries > self.cache.capacity:
+            capacity = max(entries, 2 * self.cache.capacity)
+            self.cache.grow(capacity)
+            grown = self.key_mask.new_zeros(self.key_mask.shape[0], capacity)
+            grown[:, : self.key_mask.shape[1]] = self.key_mask
+            self.key_mask = grown
+
+    def _mask(self, tail: torch.Tensor, columns: torch.Tensor, width: int | None) -> torch.Tensor:
+        """`[B, n, width]` (None: the capacity): the real entries, and `tail` `[B or 1, n, m]` over the `m` entries at
+        `columns`; the cache returns as many keys (`DraftCache.width`)."""
+        self.cache.width = width
         batch, n = self.key_mask.shape[0], tail.shape[-2]
-        past = self.key_mask[:, None, :].expand(batch, n, -1)
-        return torch.cat([past, tail.expand(batch, n, tail.shape[-1])], dim=-1)
+        mask = self.key_mask[:, None, :width].expand(batch, n, -1).clone()
+        return mask.index_copy_(2, columns, tail.expand(batch, n, -1))
+
+    def draft_forward(self, ids: torch.Tensor, hidden: torch.Tensor, level: int, tail: torch.Tensor,
+                      static: bool = True):
+        """Draft level `level` (1 for the root's children' children): the drafter on draft ids `[B, w]` and fed-back
+        states `[B, w, H]`, each node seeing the real entries and `tail` `[B or 1, w, m]` of the `m` entries drafted
+        since the catch-up (its own last). `static`: shapes and kernels depend on the draft's shape only (every
+        slot of the cache attended, masked); else only the entries written so far, which the host counts."""
+        columns = self.start + torch.arange(tail.shape[-1], device=self.start.device)
+        self.cache.at = columns[tail.shape[-1] - ids.shape[1] :]
+        positions = (self.positions + level - 1)[:, None].expand_as(ids)
+        mask = self._mask(tail, columns, None if static else self.length + tail.shape[-1])
+        return self.drafter(self.drafter.draft_to_target(ids), hidden, positions, self.cache, mask,
+                            products=self.products)
 
     @torch.no_grad()
     def catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the queued features; return each row's last fed-back state `[B, 1, H]` and draft logits `[B, 1, V_d]`.
 
-        Rows that queued as many as the longest (a batch of one always) leave no holes: then the drafter gets no
-        mask and computes the last position's logits only, Python counting what it can (~0.2 ms of a 6 ms draft
-        tree of SmolLM2's drafter on 2 threads went to those tensors)."""
-        truncate_cache(self.cache, self.length)
-        self.key_mask = self.key_mask[:, : self.length]
+        A batch of one (or rows that queued as many as the longest) computes the last position's logits only."""
         counts = [sum(f.shape[0] for f in queue) for queue in self._features]
-        n, batch = max(counts), len(counts)
+        n, batch, device = max(counts), len(counts), self.positions.device
+        self.reserve(self.length + n)
+        self.key_mask[:, self.length :] = False
         features = pad_sequence([torch.cat(queue) for queue in self._features], batch_first=True)
         tokens = pad_sequence([torch.cat(queue) for queue in self._tokens], batch_first=True)
         self._features, self._tokens = [[] for _ in counts], [[] for _ in counts]
-        device = self.positions.device
         positions = self.positions[:, None] + torch.arange(n, device=device)
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        columns = self.length + torch.arange(n, device=device)
+        fed = torch.cat([torch.full((1,), count, device=device) for count in counts])  # filled there: no copy waits
+        real = torch.arange(n, device=device) < fed[:, None]
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril() & real[:, None, :]
+        self.cache.at, mask = columns, self._mask(causal, columns, self.length + n)
         if min(counts) == n:
-            real, fed = self.key_mask.new_ones(batch, n), n
-            out = self.drafter(tokens, features, positions, self.cache, self.visible(causal) if self.holes else None,
-                               logits_to_keep=1, products=self.products)
+            out = self.drafter(tokens, features, positions, self.cache, mask, logits_to_keep=1, products=self.products)
             hidden, logits = out.hidden_states[:, -1:], out.logits
-        else:
-            fed = torch.tensor(counts, device=device)
-            real = torch.arange(n, device=device) < fed[:, None]
-            last = torch.zeros_like(real)
-            last[torch.arange(batch), fed - 1] = True
-            out = self.drafter(tokens, features, positions, self.cache, self.visible(causal & real[:, None, :]),
-                               logits_at=last, products=self.products)
+        else:  # each row's last fed position, by index (a boolean mask would read its count back)
+            last = torch.arange(batch, device=device), fed - 1
+            out = self.drafter(tokens, features, positions, self.cache, mask, logits_at=last, products=self.products)
             hidden, logits = out.hidden_states[last][:, None], out.logits[:, None]
-            self.holes = True
-        self.key_mask = torch.cat([self.key_mask, real], dim=1)
+        self.key_mask[:, self.length : self.length + n] = real
         self.length += n
+        self.start.fill_(self.length)
         self.positions += fed
         return hidden, logits
 
@@ -108,6 +140,7 @@ class DraftTree:
     ranks: torch.Tensor | None = None  # [N] score rank among all drafted candidates, -1 for the root
     frontier_ranks: torch.Tensor | None = None  # [levels after the first] `_viable_width`'s rank of each level's best
     proposals: torch.Tensor | None = None  # [N, V] a sampled chain's: the distribution node i was drawn from
+    ancestors: torch.Tensor | None = None  # [N, N] `ancestor_mask`, where drafting built it on the device
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -124,6 +157,8 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """`[N, N]` bool: node `i` may attend to node `j` iff `j` is `i` or one of its ancestors."""
+        if self.ancestors is not None:
+            return self.ancestors
         parents = self.parents.tolist()
         mask = torch.eye(len(parents), dtype=torch.bool)
         for node, parent in enumerate(parents):
@@ -134,7 +169,8 @@ class DraftTree:
     @classmethod
     def root_only(cls, root_token: torch.Tensor) -> "DraftTree":
         zero = torch.zeros(1, dtype=torch.long, device=root_token.device)
-        return cls(root_token.reshape(1), zero - 1, zero, zero - 1, zero[:0])
+        return cls(root_token.reshape(1), zero - 1, zero, zero - 1, zero[:0],
+                   ancestors=torch.ones(1, 1, dtype=torch.bool, device=root_token.device))
 
 
 def drafting_width(top_k: int, total_tokens: int) -> int:
@@ -202,10 +238,23 @@ class Frontier:
                         ancestry.gather(1, parents.expand(-1, -1, ancestry.shape[2])))
 
 
+@dataclass
+class Pool:
+    """Every node a draft expanded, per row `[B, P, ...]`, in level order (parents before children)."""
+
+    scores: torch.Tensor  # [B, P] log of the product of draft probabilities along each node's path
+    ids: torch.Tensor  # [B, P] draft-vocabulary ids
+    parents: torch.Tensor  # [B, P] the parent's pool index, -1 for the root's children
+    depths: torch.Tensor  # [P] each node's depth below the root (the same in every row)
+    proposals: torch.Tensor | None  # [B, P, V_d] a sampled chain's: what each node was drawn from
+    frontier_ranks: torch.Tensor  # [B, levels after the first]: how many kept scores beat each level's best node
+    levels: int  # levels drafted
+
+
 @torch.no_grad()
 def draft_tree(
     state: DrafterState, roots: torch.Tensor, depth: int, top_k: int, total_tokens: int,
-    temperature: float | None = None,
+    temperature: float | None = None, static: bool = False,
 ) -> list[DraftTree]:
     """EAGLE-2 dynamic trees, one per row: grow the `top_k` best frontier nodes for `depth` levels, keep the best
     `total_tokens` (`top_k` capped at `total_tokens`: `drafting_width`). `roots` `[B]` are the rows' last
@@ -216,6 +265,12 @@ def draft_tree(
     accepted prefix, its own ancestors and itself. Every expanded child joins the candidate pool, so
     the final tree may hold leaves that were never expanded.
 
+    `static` drafts every level `top_k` wide where the host would narrow the frontier and stop early
+    (`_viable_width`, which reads scores back): the kept tree is the same, every draft of a shape runs the
+    same kernels on the same tensors and nothing waits for the device between levels or in the selection,
+    which the device's `state.replay` (CUDA graphs) then replays. A host that waits for nothing (a CPU)
+    drafts fewer nodes narrowed.
+
     With a `temperature` and `top_k` 1 the chain is drawn from the drafter instead (speculative
     sampling's proposal): each node keeps the distribution it was drawn from, which verification
     accepts against (min(1, p/q) accepts more than following the argmax draft with probability p).
@@ -224,78 +279,92 @@ def draft_tree(
     temperature = temperature if top_k == 1 else None  # the shape asked for, before its width is capped
     top_k = drafting_width(top_k, total_tokens)
     hidden, logits = state.catch_up()
+    state.reserve(state.length + (depth - 1) * top_k)
+
+    def draft(hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        pool = _grow(state, hidden, logits, depth, top_k, total_tokens, temperature, static)
+        return _select(drafter, roots, pool, total_tokens)
+
+    roots = roots.reshape(-1)
+    if static and state.replay is not None and temperature is None:
+        trees = state.replay(draft, (state.cache.version, depth, top_k, total_tokens), (hidden, logits,
+                                                                                         roots.to(hidden.device)))
+    else:
+        trees = draft(hidden, logits, roots.to(hidden.device))
+    trees = [None if part is None else part.to(roots.device) for part in trees]
+    return [DraftTree(*(None if part is None else part[b] for part in trees)) for b in range(hidden.shape[0])]
+
+
+def _grow(state: DrafterState, hidden: torch.Tensor, logits: torch.Tensor, depth: int, top_k: int,
+          total_tokens: int, temperature: float | None, static: bool) -> Pool:
+    """The draft's levels from the catch-up's states `[B, 1, H]` and logits `[B, 1, V_d]`."""
     batch, device = hidden.shape[0], hidden.device
     scores, draft_ids, q = _children(torch.log_softmax(logits[:, -1].float(), dim=-1), top_k, temperature)  # [B, k]
     width = scores.shape[1]
     frontier = Frontier(torch.arange(width, device=device).expand(batch, -1), scores, draft_ids,
                         hidden.expand(batch, width, -1), torch.zeros(batch, width, 0, dtype=torch.bool, device=device))
     pool_scores, pool_ids, pool_q = [scores], [draft_ids], [None if q is None else q[:, None]]
-    pool_parents, pool_size = [torch.full_like(draft_ids, -1)], width
+    pool_parents, pool_depths, pool_size = [torch.full_like(draft_ids, -1)], [width * [1]], width
     kept = scores  # each row's best pool scores so far, best first (top-k is capped at the tree's size)
     frontier_ranks = []  # per level: how many kept scores beat its best node (a tree of n tokens drafts it iff < n)
+    levels = 1
     for level in range(1, depth):
         frontier_ranks.append((kept > frontier.scores[:, :1]).sum(dim=1))
-        width = _viable_width(frontier.scores, kept, total_tokens)
-        if width == 0:
-            break
-        frontier = frontier.narrowed(width)
-        tail_mask = frontier.tail_mask()
-        positions = (state.positions + level - 1)[:, None].expand(batch, width)
-        out = drafter(drafter.draft_to_target(frontier.ids), frontier.hidden, positions, state.cache,
-                      state.visible(tail_mask[0] if batch == 1 else tail_mask), products=state.products)
+        if not static:
+            width = _viable_width(frontier.scores, kept, total_tokens)
+            if width == 0:
+                break
+            frontier = frontier.narrowed(width)
+        out = state.draft_forward(frontier.ids, frontier.hidden, level, frontier.tail_mask(), static)
         top_log_probs, child_ids, q = _children(torch.log_softmax(out.logits.float(), dim=-1), top_k, temperature)
         child_scores, child_ids = (frontier.scores[:, :, None] + top_log_probs).flatten(1), child_ids.flatten(1)
         pool_scores.append(child_scores)
         pool_ids.append(child_ids)
         pool_q.append(q)
         pool_parents.append(frontier.pool.repeat_interleave(top_log_probs.shape[2], dim=1))
+        pool_depths.append(child_scores.shape[1] * [level + 1])
         kept = torch.cat([kept, child_scores], dim=1)
         kept = kept.topk(min(total_tokens, kept.shape[1]), dim=-1).values
         frontier = frontier.children(child_scores, child_ids, top_log_probs.shape[2], out.hidden_states, pool_size,
                                      top_k)
         pool_size += child_scores.shape[1]
-    pool = [torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)]
-    proposals = None if temperature is None else torch.cat(pool_q, dim=1)  # [B, depth, V_d]
+        levels += 1
+    depths = torch.cat([torch.full((len(part),), part[0], device=device) for part in pool_depths])
     ranks = torch.stack(frontier_ranks, dim=1) if frontier_ranks else scores.new_zeros(batch, 0, dtype=torch.long)
-    return [_select_tree(drafter, roots[row], *(part[row] for part in pool), total_tokens,
-                         None if proposals is None else proposals[row], ranks[row]) for row in range(batch)]
+    return Pool(*(torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)), depths,
+                None if temperature is None else torch.cat(pool_q, dim=1), ranks, levels)
 
 
-def _select_tree(
-    drafter: Eagle3DraftModel,
-    root_token: torch.Tensor,
-    scores: torch.Tensor,
-    draft_ids: torch.Tensor,
-    parents: torch.Tensor,
-    total_tokens: int,
-    proposals: torch.Tensor | None = None,
-    frontier_ranks: torch.Tensor | None = None,
-) -> DraftTree:
-    """Keep the `total_tokens` best pool nodes; ties go to the earlier node, so every parent is kept.
+def _select(drafter: Eagle3DraftModel, roots: torch.Tensor, pool: Pool, total_tokens: int
+            ) -> tuple[torch.Tensor | None, ...]:
+    """Each row's tree of its `total_tokens` best pool nodes, as `DraftTree`'s fields `[B, N, ...]` (N = kept + 1);
+    ties go to the earlier node, so every parent is kept. On the device: no step reads a value back.
 
     A node's score rank is recorded: the `n` best-ranked nodes are exactly the tree this draft would
     have kept with `total_tokens = n`, which lets tuning evaluate smaller trees from one run.
     """
-    order = torch.sort(-scores, stable=True).indices[:total_tokens]
-    rank = torch.empty_like(parents)
-    rank[order] = torch.arange(order.shape[0], device=order.device)
-    keep = order.sort().values  # pool order is level order: parents before children
-    local = torch.full_like(parents, -1)
-    local[keep] = torch.arange(1, keep.shape[0] + 1, device=keep.device)
-    kept_parents = parents[keep]
-    node_parents = torch.where(kept_parents < 0, torch.zeros_like(kept_parents), local[kept_parents.clamp(min=0)])
-    depths = [0]
-    for parent in node_parents.tolist():
-        depths.append(depths[parent] + 1)
-    device = root_token.device
-    if proposals is not None:  # the very q each token was drawn from, in the target's vocabulary; zeros for the root
-        proposals = drafter.expand_to_target_vocab(proposals[keep], fill=0.0).to(device)
-        proposals = torch.cat([torch.zeros_like(proposals[:1]), proposals])
-    return DraftTree(
-        tokens=torch.cat([root_token.reshape(1), drafter.draft_to_target(draft_ids[keep]).to(device)]),
-        parents=torch.cat([torch.tensor([-1], device=device), node_parents.to(device)]),
-        depths=torch.tensor(depths, device=device),
-        ranks=torch.cat([torch.tensor([-1], device=device), rank[keep].to(device)]),
-        proposals=proposals,
-        frontier_ranks=frontier_ranks,
-    )
+    batch, size = pool.scores.shape
+    count = min(total_tokens, size)
+    numbers = torch.arange(count + 1, device=roots.device).expand(batch, -1)
+    order = torch.sort(-pool.scores, dim=1, stable=True).indices[:, :count]
+    rank = torch.zeros_like(pool.parents).scatter_(1, order, numbers[:, :count])
+    keep = order.sort(dim=1).values  # pool order is level order: parents before children
+    local = torch.zeros_like(pool.parents).scatter_(1, keep, numbers[:, 1:])
+    kept_parents = pool.parents.gather(1, keep)
+    hops = torch.cat([numbers[:, :1], local.gather(1, kept_parents.clamp(min=0)) * (kept_parents >= 0)], dim=1)
+    ancestors = torch.eye(count + 1, dtype=torch.bool, device=roots.device).repeat(batch, 1, 1)
+    above = hops  # each node's ancestor `hop` levels up, the root its own
+    for _ in range(pool.levels):
+        ancestors.scatter_(2, above[..., None], True)
+        above = hops.gather(1, above)
+    root_column = torch.full_like(numbers[:, :1], -1)
+    proposals = None
+    if pool.proposals is not None:  # the very q each token was drawn from, in the target's vocabulary; 0 for the root
+        drawn = pool.proposals.gather(1, keep[..., None].expand(-1, -1, pool.proposals.shape[2]))
+        proposals = drafter.expand_to_target_vocab(drawn, fill=0.0)
+        proposals = torch.cat([torch.zeros_like(proposals[:, :1]), proposals], dim=1)
+    return (torch.cat([roots[:, None], drafter.draft_to_target(pool.ids.gather(1, keep))], dim=1),
+            torch.cat([root_column, hops[:, 1:]], dim=1),
+            torch.cat([torch.zeros_like(root_column), pool.depths[keep]], dim=1),
+            torch.cat([root_column, rank.gather(1, keep)], dim=1),
+            pool.frontier_ranks, proposals, ancestors)

@@ -246,6 +246,12 @@ def speculation_for(settings: SpeculationSettings, batch_size: int, do_sample: b
                        settings.verify_chunk_depth, verify_mode(settings))
 
 
+def drafts_static(settings: SpeculationSettings, device: torch.device) -> bool:
+    """`draft_mode`: "auto" drafts fixed shapes where the host would otherwise wait for the device between levels
+    (CUDA, where they replay as graphs); a CPU waits for nothing and drafts fewer nodes narrowed."""
+    return settings.draft_mode == "static" or (settings.draft_mode == "auto" and device.type == "cuda")
+
+
 def warn_if_kernel_cannot_run(target: PreTrainedModel, settings: SpeculationSettings, input_ids: torch.Tensor,
                               model_kwargs: dict) -> None:
     """`verify_mode="kernel"` runs the Triton kernel only for one unpadded row on CUDA, on SDPA attention without
@@ -355,6 +361,7 @@ def install() -> None:
             speculation.compiled = self.get_compiled_call(config.compile_config)  # as plain decoding compiles
             speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
         warn_if_kernel_cannot_run(self, settings, input_ids, kwargs)
+        speculation.static_draft = drafts_static(settings, drafter.device)
         with eagle_verification(self):
             speculation.prepared = prepare(backend_for(self, packs_weights(settings)), self, drafter,
                                            compiles_verify(settings))

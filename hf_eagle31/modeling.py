@@ -339,7 +339,7 @@ class Eagle3DraftModel(PreTrainedModel):
         cache: Cache | None = None,
         tail_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        logits_at: torch.Tensor | None = None,
+        logits_at: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         products: Products | None = None,
     ) -> Eagle3DraftOutput:
         """One draft step for a block of positions.
@@ -355,7 +355,8 @@ class Eagle3DraftModel(PreTrainedModel):
             logits_to_keep: compute logits for the last this many positions only (0: all). Catching
                 up on a long prompt needs just the last: `n x V_d` logits would be the largest tensor.
             logits_at: `[batch, n]` bool: logits only there, flattened to `[count, V_d]` (training needs them
-                only where its loss counts, and the head over a 16k+ vocabulary is most of a step's cost).
+                only where its loss counts, and the head over a 16k+ vocabulary is most of a step's cost); or a
+                pair of index tensors (rows, positions) `[count]` each, which reads no count back from the device.
             products: a device backend's products for this drafter's linear layers (hf_eagle31.backends), which
                 compute what the layers' own calls would; None: the layers' own calls.
         """

@@ -12,7 +12,7 @@ where t_plain is one step of plain decoding on the target's own weights (torch's
 for every candidate shape and picks the best. Candidates come in families of one `top_k` (1 is
 a chain). One calibration run per family with its largest shape is enough: a tree's nodes carry
 their score rank, and the best n ranks are exactly the tree a smaller `tree_total_tokens` would
-have kept (see `drafting._select_tree`), so each step's accepted path can be re-scored for every
+have kept (see `drafting._select`), so each step's accepted path can be re-scored for every
 smaller shape of the family. Each step also records how deep a smaller tree would have drafted (a tree
 stops drafting where no node of a level can be kept: `drafting._viable_width`), so a shape's draft cost
 is the mean over the calibrated steps of the trees it would have drafted, not a full tree's each step.
@@ -41,7 +41,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from hf_eagle31.backends import backend_for
 from hf_eagle31.compat import CACHE_KWARG
-from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree, drafting_width
+from hf_eagle31.drafting import DrafterState, DraftTree, Replay, draft_tree, drafting_width
 from hf_eagle31.configuration import SpeculationSettings
 from hf_eagle31.generation import (
     compiles_verify,
@@ -142,15 +142,16 @@ def target_step(target: PreTrainedModel) -> Callable[[], object]:
 @torch.no_grad()
 def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int = 256, repeats: int = 5,
                batch_size: int = 1, before: Callable[[], object] | None = None,
-               products: Products | None = None) -> float:
+               products: Products | None = None, static: bool = False, replay: Replay | None = None) -> float:
     """Seconds to draft one EAGLE-2 tree of `depth` levels in each of `batch_size` rows (catch-up on one accepted
     token per row included), each tree timed after an untimed call of `before` (`target_step`: as decoding drafts),
-    on a backend's `products` for the drafter (None: its layers' own calls)."""
+    on a backend's `products` for the drafter (None: its layers' own calls); `static` as `draft_tree`'s, replayed
+    by `replay` (a backend's `draft_replay`)."""
     device = drafter.device
     width = 3 * drafter.config.target_hidden_size
     features = torch.randn(batch_size, context, width, device=device, dtype=drafter.dtype)
     tokens = torch.randint(3, drafter.config.vocab_size, (batch_size, context), device=device)
-    state = DrafterState(drafter, batch_size, products)
+    state = DrafterState(drafter, batch_size, products, 2 * context + 64 * depth, replay)
     for row in range(batch_size):
         state.push(features[row : row + 1], tokens[row : row + 1], row)
     state.catch_up()
@@ -160,7 +161,7 @@ def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int =
         state.positions -= 1
         for row in range(batch_size):
             state.push(features[row : row + 1, -1:], tokens[row : row + 1, -1:], row)
-        draft_tree(state, tokens[:, -1], depth, top_k, 10**6)
+        draft_tree(state, tokens[:, -1], depth, top_k, 10**6, static=static)
 
     one_tree()
     return _best_of(one_tree, repeats, before)
@@ -357,23 +358,33 @@ def choose_tree_shape(
         for pack in paths:
             curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
                                              compiled=compiles_verify(settings_of(drafter), pack))
-            products = backend_for(target, pack).products(drafter)
-            # every width a candidate drafts: a family's smaller trees are narrower
-            drafts[pack] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target, products=products)
-                                for d in range(1, max_depth + 1)}
-                            for w in range(1, max(ranks_by_top_k) + 1)}
+            backend = backend_for(target, pack)
+            products, replay = backend.products(drafter), backend.draft_replay(drafter)
+            # every width a candidate drafts (a family's smaller trees are narrower); narrowed, and static where the
+            # device replays a static draft (a static draft that is not replayed drafts the same levels, never fewer)
+            for static in (False, True) if replay is not None else (False,):
+                drafts[pack, static] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target,
+                                                          products=products, static=static, replay=replay)
+                                            for d in range(1, max_depth + 1)}
+                                        for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))
     plain = median(p[0][False][1] for p in passes)  # the default path's one-token forward: a plain step
     reports = []
-    for pack in paths:
+    for pack, static in passes[0][1]:
         curve = non_decreasing({n: median(p[0][pack][n] for p in passes) for n in sizes})
-        drafts = {k: non_decreasing({d: median(p[1][pack][k][d] for p in passes) for d in depths})
-                  for k, depths in passes[0][1][pack].items()}
+        drafts = {k: non_decreasing({d: median(p[1][pack, static][k][d] for p in passes) for d in depths})
+                  for k, depths in passes[0][1][pack, static].items()}
         per_call = median(p[2] for p in passes) if pack else 0.0
-        candidates = rank_candidates(curve, drafts, ranks_by_top_k, plain, per_call, frontier_by_top_k)
+        candidates = rank_candidates(curve, drafts, ranks_by_top_k, plain, per_call,
+                                     None if static else frontier_by_top_k)  # a static draft drafts every level
+        if (pack, True) in passes[0][1]:
+            for candidate in candidates:
+                candidate["draft_mode"] = "static" if static else "narrowed"
         reports.append(TuningReport(curve, drafts, plain, candidates, ranks_by_top_k, frontier_by_top_k or {},
                                     pack_weights=pack, pack_seconds=per_call))
-    paths_best = {"packed" if report.pack_weights else "default": report.choice for report in reports}
+    paths_best = {("packed" if report.pack_weights else "default") + (f", {report.choice['draft_mode']}"
+                                                                        if "draft_mode" in report.choice else ""):
+                  report.choice for report in reports}
     best = max(reports, key=lambda report: report.choice["speedup"])
     best.paths = paths_best
     return best
@@ -512,7 +523,8 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     (`batch_shapes`) and for sampling (`sampling_shape`).
 
     `report` may also be a saved `TuningReport.as_dict()` (a resumed benchmark reuses its tuning).
-    Dynamic speculation is switched off: the shapes were chosen for the acceptance measured at a
+    Where the device replays static drafts, tuning timed both drafting modes and the faster one is stored
+    (`draft_mode`). Dynamic speculation is switched off: the shapes were chosen for the acceptance measured at a
     fixed depth, and on the demo pair the PID controller, shortening drafts after each miss, cost 8%
     of the tuned chain's speed (2.63x instead of 2.85x over the target alone, same prompts).
     """
@@ -530,6 +542,8 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     config.dynamic_speculation = False
     if "pack_weights" in report:  # a report from before tuning chose the path: measured packed where it could, kept
         config.pack_weights = report["pack_weights"]
+    if "draft_mode" in choice:  # timed both ways where the device replays static drafts
+        config.draft_mode = choice["draft_mode"]
     config.batch_shapes = batch_shapes(report) if report.get("batch_costs") else None
     config.sampling_shape = (report.get("sampling") or {}).get("shape")
     settings_of(drafter)  # what was stored is checked as every call checks it

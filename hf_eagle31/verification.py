@@ -91,20 +91,26 @@ class VerifyPlan:
 
     @classmethod
     def for_cache(cls, mask: torch.Tensor, cache: Cache, mode: str = "batched", key_mask: torch.Tensor | None = None,
-                  prompt_length: int = 0, batch_size: int = 1) -> "VerifyPlan":
+                  prompt_length: int = 0, batch_size: int = 1, hidden: tuple[bool, bool] | None = None
+                  ) -> "VerifyPlan":
         """The plan for verifying a block `mask` `[B, n, n]` after everything `cache` holds. `key_mask` `[B, cached]`
         marks the cached keys each row sees (None: all); the unseen ones among the first `prompt_length` are pads,
-        the others holes."""
-        if key_mask is None or bool(key_mask.all()):
-            key_padding = holes = None
-        else:
-            key_padding, holes = key_mask, ~key_mask
+        the others holes. `hidden`: whether there may be pads and holes, as the caller knows them (the decoding
+        loop), so the plan reads nothing back from the device before the verify forward; None: read from the mask.
+        """
+        if key_mask is None:
+            hidden = False, False
+        elif hidden is None:
+            hidden = not bool(key_mask[:, :prompt_length].all()), not bool(key_mask[:, prompt_length:].all())
+        padded, holed = hidden
+        holes = None
+        if holed:
+            holes = ~key_mask
             holes[:, :prompt_length] = False
-            holes = holes if bool(holes.any()) else None
-        padded = key_padding is not None and not bool(key_mask[:, :prompt_length].all())
         held = {index: layer.sliding_window - 1 for index, layer in enumerate(cache.layers)
                 if getattr(layer, "is_sliding", False)}
-        return cls(mask, mode, key_padding, holes, held, padded, batch_size, int(cache.get_seq_length()))
+        return cls(mask, mode, key_mask if padded or holed else None, holes, held, padded, batch_size,
+                   int(cache.get_seq_length()))
 
     @functools.cached_property
     def depths(self) -> torch.Tensor:
@@ -246,7 +252,10 @@ def verify_forward(target: PreTrainedModel, cache: Cache, plan: VerifyPlan, toke
 
 
 def subtree(tree: DraftTree, root: int, max_depth: int | None) -> torch.Tensor:
-    """Indices of `root` and its descendants at most `max_depth` levels below it, in level order."""
+    """Indices of `root` and its descendants at most `max_depth` levels below it, in level order (the whole tree
+    read from no value: a static draft's verify block is built without waiting for the draft)."""
+    if root == 0 and max_depth is None:
+        return torch.arange(len(tree), device=tree.tokens.device)
     inside = torch.zeros(len(tree), dtype=torch.bool)
     inside[root] = True
     limit = tree.depth if max_depth is None else int(tree.depths[root]) + max_depth

@@ -82,8 +82,8 @@ def test_unroll_equals_inference_time_chains(target, eagle31):
         hidden, logits = state.catch_up()
         for k, token in enumerate(ids[0, t + 2 : t + 6].tolist()):  # the chain is fed the sequence's own tokens
             torch.testing.assert_close(steps[k][0, t], logits[0, -1], rtol=1e-4, atol=1e-5)
-            seen = torch.ones(1, k + 1, dtype=torch.bool)  # as a draft level sees the levels before it
-            out = drafter(torch.tensor([[token]]), hidden, state.positions[:, None] + k, state.cache, state.visible(seen))
+            seen = torch.ones(1, 1, k + 1, dtype=torch.bool)  # as a draft level sees the levels before it
+            out = state.draft_forward(torch.tensor([[token]]), hidden, k + 1, seen)  # one vocabulary: ids are ids
             hidden, logits = out.hidden_states, out.logits
 
 

@@ -4,6 +4,7 @@
     prepared.forward(**inputs)                                  # any other target forward of the call (the prefill)
     prepared.verify(cache, plan, tokens, positions, compiled)   # raw logits [B, n, V], features [B, n, 3 H_t]
     prepared.draft_products                                     # the drafter forward's `products`, or None
+    prepared.draft_replay                                       # a fixed-shape draft's replay (CUDA graphs), or None
 
 The default backend runs transformers' forward unchanged (`verification.verify_forward`) and the drafter's
 layers as modules. The CPU backend (cpu/) computes the same products faster on a CPU and, for a
@@ -22,6 +23,7 @@ from typing import Protocol
 import torch
 from transformers import Cache, PreTrainedModel
 
+from hf_eagle31.drafting import Replay
 from hf_eagle31.modeling import Eagle3DraftModel, Products
 from hf_eagle31.verification import VerifyPlan, verify_forward
 
@@ -37,6 +39,7 @@ class Prepared:
     forward: Callable[..., object]  # the target's forward for anything but a verify block (the prefill)
     verify: Verify
     draft_products: Products | None
+    draft_replay: Replay | None = None
 
 
 class Backend(Protocol):
@@ -50,13 +53,18 @@ class Backend(Protocol):
     def products(self, model: torch.nn.Module) -> Products | None:
         """Products for the model's linear layers (`modeling.linear_outputs`), None: its layers' own calls."""
 
+    def draft_replay(self, drafter: Eagle3DraftModel) -> Replay | None:
+        """How one call replays the drafter's fixed-shape drafts (`draft_mode="static"`), None: drafted eagerly."""
+
 
 def prepare(backend: Backend, target: PreTrainedModel, drafter: Eagle3DraftModel | None,
             compile_verify: bool = False) -> Prepared:
     """What one call runs on; without a drafter (`fast_decoding`) no features are captured."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else []
-    return Prepared(*backend.target_forwards(target, layer_ids, compile_verify),
-                    None if drafter is None else backend.products(drafter))
+    if drafter is None:
+        return Prepared(*backend.target_forwards(target, layer_ids, compile_verify), None)
+    return Prepared(*backend.target_forwards(target, layer_ids, compile_verify), backend.products(drafter),
+                    backend.draft_replay(drafter))
 
 
 class DefaultBackend:
@@ -73,6 +81,14 @@ class DefaultBackend:
 
     def products(self, model: torch.nn.Module) -> None:
         return None
+
+    def draft_replay(self, drafter: Eagle3DraftModel) -> Replay | None:
+        """CUDA graphs on CUDA (backends/graphs.py)."""
+        if drafter.device.type != "cuda":
+            return None
+        from hf_eagle31.backends.graphs import GraphReplay
+
+        return GraphReplay()
 
 
 DEFAULT = DefaultBackend()

@@ -46,5 +46,8 @@ class CpuBackend:
     def products(self, model: nn.Module) -> Products | None:
         return products_for(model) if can_pack(model) else None
 
+    def draft_replay(self, drafter: nn.Module) -> None:
+        return None  # a CPU waits for nothing between levels: a static draft runs eagerly
+
 
 CPU = CpuBackend()
