@@ -22,7 +22,7 @@ from hf_eagle31.cache import DraftCache
 from hf_eagle31.modeling import Eagle3DraftModel, Products
 
 # a device backend's replay of a fixed-shape draft: `replay(draft, key, inputs)` returns `draft(*inputs)`, computed
-# by a capture made once per `key` (the shape and the buffers the draft reads) and replayed
+# by a capture made once per `key` and replayed; `key` is (the buffers' `DraftCache.version`, the draft's shape...)
 Replay = Callable[[Callable[..., tuple], Hashable, tuple[torch.Tensor, ...]], tuple]
 
 

@@ -3,14 +3,16 @@ selected on the device, so the host waits for nothing between the catch-up and t
 the narrowed draft's, and decoding with it is exact: greedy output equals plain `generate`, sampling follows the
 target's distribution."""
 
+import warnings
+
 import pytest
 import torch
 from syncs import SyncCounter
-from torch.utils._python_dispatch import TorchDispatchMode
 from test_batched import RAGGED, left_padded
 from test_drafting import context, reference_tree, tree_paths
 from test_sampling import ALPHA, TEMPERATURE, TOP_K, exact_joint, goodness_of_fit, sample_counts
 from tiny_models import PROMPTS, make_drafter, make_target, trained_pair
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_eagle31  # noqa: F401
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
@@ -271,3 +273,19 @@ def test_tuning_times_both_drafting_modes_where_drafts_replay_and_keeps_the_fast
     assert torch.equal(target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=8, assistant_model=drafter),
                        expected)
     assert (sum(replay.replays for replay in replays) > 0) is (faster == "static")
+
+
+def test_a_draft_cuda_cannot_capture_is_drafted_eagerly_after_one_warning(monkeypatch):
+    from hf_eagle31.backends.graphs import GraphReplay
+
+    def refuse(self, draft, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(GraphReplay, "capture", refuse)
+    replay = GraphReplay()
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph .operation not permitted"):
+        (out,) = replay(lambda x: (x + 1,), (0, 3), (torch.zeros(2),))
+    assert out.tolist() == [1.0, 1.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert replay(lambda x: (x + 2,), (0, 4), (torch.zeros(2),))[0].tolist() == [2.0, 2.0]

@@ -7,6 +7,7 @@ little is compute, and a depth-6 tree is six of them and the selection), and a g
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 
 import torch
@@ -20,11 +21,20 @@ class GraphReplay:
     def __init__(self, warmups: int = 2):
         self.warmups = warmups
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple, tuple]] = {}
+        self.failed = False
 
     def __call__(self, draft: Callable[..., tuple], key: Hashable, inputs: tuple[torch.Tensor, ...]) -> tuple:
+        if self.failed:
+            return draft(*inputs)
         if key not in self.graphs:
             self.graphs = {old: entry for old, entry in self.graphs.items() if old[0] == key[0]}
-            self.graphs[key] = self.capture(draft, inputs)
+            try:
+                self.graphs[key] = self.capture(draft, inputs)
+            except RuntimeError as error:  # an op CUDA cannot capture: the same draft, launched eagerly
+                warnings.warn(f"the draft could not be captured as a CUDA graph ({str(error).splitlines()[0]}); "
+                              "this call drafts eagerly (draft_mode='narrowed' skips the capture)", stacklevel=3)
+                self.failed = True
+                return draft(*inputs)
         graph, static_inputs, outputs = self.graphs[key]
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
