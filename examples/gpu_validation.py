@@ -13,7 +13,7 @@
 4. a randomly initialised Llama-3.1-8B-shaped target in bf16 and nf4 (nf4 needs bitsandbytes):
    single-token step time, verify cost curve t(n)/t(1) for n up to 128, drafter tree cost per depth,
    and the memory planner's prediction against torch.cuda.max_memory_allocated;
-5. drafting beside that target, bf16 and nf4 (`--parts drafting_bf16 drafting_nf4`, under 8 minutes): the tree
+5. drafting beside that target, bf16 and nf4 (`--parts drafting_bf16 drafting_nf4`, sized for 8 minutes): the tree
    narrowed, static eager and replayed as a CUDA graph at depth 1-8, the syncs one draft makes, a step's time
    split, the batch-1 speedup projected at tau 3, 4, 5, and output equal to plain greedy.
 Each part records its own error instead of stopping the rest.
