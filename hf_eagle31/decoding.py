@@ -190,8 +190,8 @@ class EagleLoop:
         self.state = None
         if drafter is not None:
             prepared = speculation.prepared
-            room = input_ids.shape[1] + 256 + speculation.controller.high * speculation.top_k  # grows by doubling
-            self.state = DrafterState(drafter, self.batch_size, prepared.draft_products, room,
+            capacity = input_ids.shape[1] + 256 + speculation.controller.high * speculation.top_k  # grows by doubling
+            self.state = DrafterState(drafter, self.batch_size, prepared.draft_products, capacity,
                                       prepared.draft_replay if speculation.static_draft else None)
         self.key_mask: torch.Tensor | None = None  # [B, cached]: False for a pad, later also for a hole
         self.padded = self.holed = False  # whether `key_mask` hides a pad, may hide a hole: known without reading it

@@ -77,10 +77,12 @@ class DrafterState:
             grown[:, : self.key_mask.shape[1]] = self.key_mask
             self.key_mask = grown
 
-    def _mask(self, tail: torch.Tensor, columns: torch.Tensor, width: int | None) -> torch.Tensor:
-        """`[B, n, width]` (None: the capacity): the real entries, and `tail` `[B or 1, n, m]` over the `m` entries at
-        `columns`; the cache returns as many keys (`DraftCache.width`)."""
-        self.cache.width = width
+    def _attend(self, written: torch.Tensor, tail: torch.Tensor, columns: torch.Tensor, width: int | None
+                ) -> torch.Tensor:
+        """Point the cache at the slots the next forward writes (`written`) and returns (the first `width`, None: all);
+        return its mask `[B, n, width]`: the real entries, and `tail` `[B or 1, n, m]` over the `m` entries at
+        `columns`."""
+        self.cache.at, self.cache.width = written, width
         batch, n = self.key_mask.shape[0], tail.shape[-2]
         mask = self.key_mask[:, None, :width].expand(batch, n, -1).clone()
         return mask.index_copy_(2, columns, tail.expand(batch, n, -1))
@@ -92,9 +94,9 @@ class DrafterState:
         since the catch-up (its own last). `static`: shapes and kernels depend on the draft's shape only (every
         slot of the cache attended, masked); else only the entries written so far, which the host counts."""
         columns = self.start + torch.arange(tail.shape[-1], device=self.start.device)
-        self.cache.at = columns[tail.shape[-1] - ids.shape[1] :]
         positions = (self.positions + level - 1)[:, None].expand_as(ids)
-        mask = self._mask(tail, columns, None if static else self.length + tail.shape[-1])
+        mask = self._attend(columns[tail.shape[-1] - ids.shape[1] :], tail, columns,
+                            None if static else self.length + tail.shape[-1])
         return self.drafter(self.drafter.draft_to_target(ids), hidden, positions, self.cache, mask,
                             products=self.products)
 
@@ -115,7 +117,7 @@ class DrafterState:
         fed = torch.cat([torch.full((1,), count, device=device) for count in counts])  # filled there: no copy waits
         real = torch.arange(n, device=device) < fed[:, None]
         causal = torch.ones(n, n, dtype=torch.bool, device=device).tril() & real[:, None, :]
-        self.cache.at, mask = columns, self._mask(causal, columns, self.length + n)
+        mask = self._attend(columns, causal, columns, self.length + n)
         if min(counts) == n:
             out = self.drafter(tokens, features, positions, self.cache, mask, logits_to_keep=1, products=self.products)
             hidden, logits = out.hidden_states[:, -1:], out.logits
@@ -159,18 +161,26 @@ class DraftTree:
         """`[N, N]` bool: node `i` may attend to node `j` iff `j` is `i` or one of its ancestors."""
         if self.ancestors is not None:
             return self.ancestors
-        parents = self.parents.tolist()
-        mask = torch.eye(len(parents), dtype=torch.bool)
-        for node, parent in enumerate(parents):
-            if parent >= 0:
-                mask[node] |= mask[parent]
-        return mask.to(self.tokens.device)
+        return ancestor_masks(self.parents[None], self.depth)[0]
 
     @classmethod
     def root_only(cls, root_token: torch.Tensor) -> "DraftTree":
         zero = torch.zeros(1, dtype=torch.long, device=root_token.device)
         return cls(root_token.reshape(1), zero - 1, zero, zero - 1, zero[:0],
                    ancestors=torch.ones(1, 1, dtype=torch.bool, device=root_token.device))
+
+
+def ancestor_masks(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """`[B, N, N]` bool from trees' `parents` `[B, N]` (-1 for the root) at most `depth` levels deep: node `i` sees
+    node `j` iff `j` is `i` or one of its ancestors. One parent hop per level, all nodes at once, on the device."""
+    hops = parents.clamp(min=0)  # the root is its own parent
+    batch, size = parents.shape
+    ancestors = torch.eye(size, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
+    above = hops  # each node's ancestor one more hop up at each level
+    for _ in range(depth):
+        ancestors.scatter_(2, above[..., None], True)
+        above = hops.gather(1, above)
+    return ancestors
 
 
 def drafting_width(top_k: int, total_tokens: int) -> int:
@@ -304,10 +314,9 @@ def _grow(state: DrafterState, hidden: torch.Tensor, logits: torch.Tensor, depth
     frontier = Frontier(torch.arange(width, device=device).expand(batch, -1), scores, draft_ids,
                         hidden.expand(batch, width, -1), torch.zeros(batch, width, 0, dtype=torch.bool, device=device))
     pool_scores, pool_ids, pool_q = [scores], [draft_ids], [None if q is None else q[:, None]]
-    pool_parents, pool_depths, pool_size = [torch.full_like(draft_ids, -1)], [width * [1]], width
+    pool_parents, pool_depths, pool_size = [torch.full_like(draft_ids, -1)], [(width, 1)], width
     kept = scores  # each row's best pool scores so far, best first (top-k is capped at the tree's size)
     frontier_ranks = []  # per level: how many kept scores beat its best node (a tree of n tokens drafts it iff < n)
-    levels = 1
     for level in range(1, depth):
         frontier_ranks.append((kept > frontier.scores[:, :1]).sum(dim=1))
         if not static:
@@ -322,17 +331,16 @@ def _grow(state: DrafterState, hidden: torch.Tensor, logits: torch.Tensor, depth
         pool_ids.append(child_ids)
         pool_q.append(q)
         pool_parents.append(frontier.pool.repeat_interleave(top_log_probs.shape[2], dim=1))
-        pool_depths.append(child_scores.shape[1] * [level + 1])
+        pool_depths.append((child_scores.shape[1], level + 1))
         kept = torch.cat([kept, child_scores], dim=1)
         kept = kept.topk(min(total_tokens, kept.shape[1]), dim=-1).values
         frontier = frontier.children(child_scores, child_ids, top_log_probs.shape[2], out.hidden_states, pool_size,
                                      top_k)
         pool_size += child_scores.shape[1]
-        levels += 1
-    depths = torch.cat([torch.full((len(part),), part[0], device=device) for part in pool_depths])
+    depths = torch.cat([torch.full((count,), level, device=device) for count, level in pool_depths])
     ranks = torch.stack(frontier_ranks, dim=1) if frontier_ranks else scores.new_zeros(batch, 0, dtype=torch.long)
     return Pool(*(torch.cat(part, dim=1) for part in (pool_scores, pool_ids, pool_parents)), depths,
-                None if temperature is None else torch.cat(pool_q, dim=1), ranks, levels)
+                None if temperature is None else torch.cat(pool_q, dim=1), ranks, len(pool_depths))
 
 
 def _select(drafter: Eagle3DraftModel, roots: torch.Tensor, pool: Pool, total_tokens: int
@@ -351,20 +359,14 @@ def _select(drafter: Eagle3DraftModel, roots: torch.Tensor, pool: Pool, total_to
     keep = order.sort(dim=1).values  # pool order is level order: parents before children
     local = torch.zeros_like(pool.parents).scatter_(1, keep, numbers[:, 1:])
     kept_parents = pool.parents.gather(1, keep)
-    hops = torch.cat([numbers[:, :1], local.gather(1, kept_parents.clamp(min=0)) * (kept_parents >= 0)], dim=1)
-    ancestors = torch.eye(count + 1, dtype=torch.bool, device=roots.device).repeat(batch, 1, 1)
-    above = hops  # each node's ancestor `hop` levels up, the root its own
-    for _ in range(pool.levels):
-        ancestors.scatter_(2, above[..., None], True)
-        above = hops.gather(1, above)
     root_column = torch.full_like(numbers[:, :1], -1)
+    parents = torch.cat([root_column, local.gather(1, kept_parents.clamp(min=0)) * (kept_parents >= 0)], dim=1)
     proposals = None
     if pool.proposals is not None:  # the very q each token was drawn from, in the target's vocabulary; 0 for the root
         drawn = pool.proposals.gather(1, keep[..., None].expand(-1, -1, pool.proposals.shape[2]))
         proposals = drafter.expand_to_target_vocab(drawn, fill=0.0)
         proposals = torch.cat([torch.zeros_like(proposals[:, :1]), proposals], dim=1)
     return (torch.cat([roots[:, None], drafter.draft_to_target(pool.ids.gather(1, keep))], dim=1),
-            torch.cat([root_column, hops[:, 1:]], dim=1),
-            torch.cat([torch.zeros_like(root_column), pool.depths[keep]], dim=1),
+            parents, torch.cat([torch.zeros_like(root_column), pool.depths[keep]], dim=1),
             torch.cat([root_column, rank.gather(1, keep)], dim=1),
-            pool.frontier_ranks, proposals, ancestors)
+            pool.frontier_ranks, proposals, ancestor_masks(parents, pool.levels))
