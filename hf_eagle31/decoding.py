@@ -110,8 +110,9 @@ def check_batch(target: PreTrainedModel, batch_size: int, generation_config: Gen
     if streamer is not None:
         raise ValueError("streamers take one sequence, as in transformers: stream with a batch of one prompt")
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
-        raise ValueError("batched EAGLE decoding cannot return per-step scores or logits (rows advance by different "
-                         "numbers of tokens); generate one prompt at a time for them")
+        raise ValueError("batched EAGLE decoding and fast_decoding cannot return per-step scores or logits (rows "
+                         "advance by different numbers of tokens, and leave as they stop); generate one prompt at a "
+                         "time for them")
 
 
 def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
@@ -262,8 +263,9 @@ class EagleLoop:
         if not (speculate and depth > 0):
             return [DraftTree.root_only(root) for root in roots], speculate
         temperature = float(self.config.temperature or 1.0) if self.do_sample else None
-        return draft_tree(self.state, roots, depth, speculation.top_k, min(speculation.total_tokens, room),
-                          temperature, speculation.static_draft), True
+        with torch.autocast(roots.device.type, enabled=False):  # the drafter in its own dtype, whatever the user's
+            return draft_tree(self.state, roots, depth, speculation.top_k, min(speculation.total_tokens, room),
+                              temperature, speculation.static_draft), True
 
     def verify(self, trees: list[DraftTree]) -> list[RowStep]:
         """Verify every row's tree, chunk by chunk, and walk it; the cache keeps the walked nodes, the drafter is fed

@@ -36,3 +36,26 @@ def select_features(hidden_states: tuple[torch.Tensor | None, ...] | None,
     if not target_layer_ids:
         return None
     return torch.cat([hidden_states[i] for i in capture_request(target_layer_ids)], dim=-1)
+
+
+_INSTALLED = "_output_capturing_hooks_installed"  # transformers marks a (sub)model whose hooks it installed
+
+
+def capturing_hooked(model: torch.nn.Module) -> set[int]:
+    """The ids of the (sub)models of `model` on which transformers has installed its output-capturing hooks."""
+    return {id(module) for module in model.modules() if vars(module).get(_INSTALLED, False)}
+
+
+def remove_capturing_hooks(model: torch.nn.Module, keep: set[int]) -> None:
+    """Remove the output-capturing hooks transformers installed below `model` since `capturing_hooked` gave `keep`.
+
+    Why: transformers installs them for good at the first forward that asks for hidden states, and the prefill of
+    an EAGLE call asks for the drafter's features: a call would otherwise leave hooks on a model that had none.
+    Unmarked first, so that a forward starting meanwhile installs them again for itself."""
+    added = [module for module in model.modules() if vars(module).get(_INSTALLED, False) and id(module) not in keep]
+    for hooked in added:
+        delattr(hooked, _INSTALLED)
+        for module in hooked.modules():
+            for handle_id, hook in list(module._forward_hooks.items()):
+                if getattr(hook, "__module__", None) == output_capturing.__name__:
+                    del module._forward_hooks[handle_id]

@@ -22,7 +22,8 @@ from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, SpeculationSettings, default_target_layer_ids
 from hf_eagle31.control import CollapseMonitor, LengthController
 from hf_eagle31.decoding import Speculation, eagle_decoding
-from hf_eagle31.interrupts import around
+from hf_eagle31.features import capturing_hooked, remove_capturing_hooks
+from hf_eagle31.interrupts import Held
 from hf_eagle31.kernels.tree_attention import require_triton
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
@@ -99,6 +100,7 @@ class _Verifying:
     """What EAGLE switched on in one target for its calls in flight (see `eagle_verification`)."""
 
     previous: str  # the attention implementation to restore
+    hooked: set[int]  # the modules transformers had put its output-capturing hooks on before the first call
     patched: OwnForwardByPosition | None = None
     calls: int = 0
 
@@ -107,38 +109,50 @@ _VERIFYING: dict[int, _Verifying] = {}  # id(target) -> its switches, while at l
 _VERIFYING_LOCK = threading.Lock()
 
 
-def eagle_verification(target: PreTrainedModel):
+def eagle_verification(target: PreTrainedModel) -> Held:
     """While EAGLE decodes: the `eagle_tree` attention function, and bitsandbytes layers run position by position
     in "exact" verify forwards (`OwnForwardByPosition`; see verification.py).
 
     They belong to the target, so calls running at once in several threads share them: the first
     call switches them on and the last switches them off (a call restoring the previous attention
     while another still verifies would give that one wrong output, or leave `eagle_tree` behind).
-    Each switch is made and undone whole, a Ctrl-C then raised (`around`). Everything else a call needs
+    The last also removes the output-capturing hooks transformers installed for the calls' prefills.
+    Each switch is made and undone whole, a Ctrl-C then raised (`Held`). Everything else a call needs
     lives in the call. `eagle_tree` is the target's own attention for any forward without a verify plan,
     so plain calls running meanwhile compute as without EAGLE.
     """
     def switch_on():
         with _VERIFYING_LOCK:
-            verifying = _VERIFYING.setdefault(id(target), _Verifying(target.config._attn_implementation))
-            verifying.calls += 1  # first: a failure below is undone by `switch_off`, as an interrupt is
-            if verifying.calls == 1:
-                if target._can_set_attn_implementation():  # see `check_target` for the models that cannot
-                    target.set_attn_implementation(verifying_attention(verifying.previous))
-                verifying.patched = OwnForwardByPosition(target)
+            verifying = _VERIFYING.get(id(target))
+            if verifying is None:
+                verifying = _Verifying(target.config._attn_implementation, capturing_hooked(target))
+                try:
+                    if target._can_set_attn_implementation():  # see `check_target` for the models that cannot
+                        target.set_attn_implementation(verifying_attention(verifying.previous))
+                    verifying.patched = OwnForwardByPosition(target)
+                except BaseException:
+                    _switch_back(target, verifying)
+                    raise
+                _VERIFYING[id(target)] = verifying
+            verifying.calls += 1
 
     def switch_off():
         with _VERIFYING_LOCK:
             verifying = _VERIFYING[id(target)]
             verifying.calls -= 1
             if not verifying.calls:
-                if verifying.patched is not None:
-                    verifying.patched.remove()
-                if target.config._attn_implementation != verifying.previous:
-                    target.set_attn_implementation(verifying.previous)
                 del _VERIFYING[id(target)]
+                _switch_back(target, verifying)
 
-    return around(switch_on, switch_off)
+    return Held(switch_on, switch_off)
+
+
+def _switch_back(target: PreTrainedModel, verifying: _Verifying) -> None:
+    if verifying.patched is not None:
+        verifying.patched.remove()
+    if target.config._attn_implementation != verifying.previous:
+        target.set_attn_implementation(verifying.previous)
+    remove_capturing_hooks(target, verifying.hooked)
 
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -299,9 +313,26 @@ CONTINUOUS_BATCHING_REFUSAL = (
     "target.generate(input_ids, attention_mask=..., assistant_model=drafter), which also takes a padded batch")
 
 
+# what makes `generate` decode other than one token a step; each names the settings that ask for it
+NOT_PLAIN_MODES = {"beam_search": "num_beams > 1", "beam_sample": "num_beams > 1 with do_sample",
+                   "group_beam_search": "num_beam_groups > 1", "constrained_beam_search": "constraints / force_words_ids",
+                   "contrastive_search": "penalty_alpha with top_k > 1", "dola_generation": "dola_layers",
+                   "assisted_generation": "prompt_lookup_num_tokens / assistant_early_exit / use_mtp"}
+
+
+def check_plain(generation_config: GenerationConfig) -> None:
+    """Refuse, naming the settings, a generation config that asks `fast_decoding` for more than plain greedy or
+    sampled decoding: transformers hands a `custom_generate` function every call whatever it asks."""
+    mode = generation_config.get_generation_mode()
+    if mode in NOT_PLAIN_MODES:
+        raise ValueError(f"fast_decoding decodes one token a step (greedy or sampled); this call asks for "
+                         f"{mode.replace('_', ' ')} ({NOT_PLAIN_MODES[mode]}): generate without "
+                         "custom_generate=hf_eagle31.fast_decoding for it")
+
+
 @torch.no_grad()
 def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
-                  generation_config: GenerationConfig, **model_kwargs):
+                  generation_config: GenerationConfig, streamer=None, tokenizer=None, **model_kwargs):
     """Plain decoding (one token a step, no drafter) on this package's fastest forward for the target, passed to
     `generate` as its decoding method:
 
@@ -309,10 +340,12 @@ def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_pr
 
     On a CPU in fp32 or bf16 each step runs on the CPU backend (the rows kernel or oneDNN's products, and for a
     Llama, Mistral or Qwen2 target the lean forward), elsewhere on transformers' own forward, inside the one
-    decoding loop: tokens are picked as plain `generate` picks them (processors, sampling, stopping criteria).
-    The logits come from the products EAGLE verifies with, so greedy output equals plain `generate`'s up to
-    near-ties in bf16, as EAGLE's does. Benchmarks compare EAGLE with it as the target's best plain decoding.
-    transformers passes no streamer to a `custom_generate` function."""
+    decoding loop: tokens are picked as plain `generate` picks them (processors, sampling, stopping criteria,
+    streamers; the routing hands it the `streamer` and `tokenizer` transformers keeps from `custom_generate`
+    functions). The logits come from the products EAGLE verifies with, so greedy output equals plain
+    `generate`'s up to near-ties in bf16, as EAGLE's does. Benchmarks compare EAGLE with it as the target's best
+    plain decoding. Beam search and the other multi-candidate modes are refused (`check_plain`)."""
+    check_plain(generation_config)
     check_target(model)
     check_inputs(model, input_ids, generation_config, model_kwargs)
     speculation = Speculation("plain", 1, 1, LengthController(1, 1, 1), CollapseMonitor(enabled=False), None,
@@ -320,7 +353,7 @@ def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_pr
     with eagle_verification(model):
         speculation.prepared = prepare(backend_for(model, True), model, None)
         return eagle_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, None,
-                              speculation, **model_kwargs)
+                              speculation, streamer, **model_kwargs)
 
 
 def install() -> None:
@@ -371,7 +404,15 @@ def install() -> None:
     def _extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
         if isinstance(assistant_model, Eagle3DraftModel):
             refuse_call_settings(kwargs)
-        return extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+        if custom_generate is not fast_decoding:
+            return extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+        if assistant_model is not None:
+            raise ValueError("fast_decoding decodes without a drafter: pass assistant_model or "
+                             "custom_generate=hf_eagle31.fast_decoding, not both")
+        tokenizer = kwargs.get("tokenizer")  # for stop_strings; transformers keeps both from a custom_generate
+        chosen = extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+        return {**chosen, **{name: value for name, value in (("streamer", streamer), ("tokenizer", tokenizer))
+                             if value is not None}}
 
     @functools.wraps(continuous)
     def generate_batch(self, *args, **kwargs):

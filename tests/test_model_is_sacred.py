@@ -13,7 +13,6 @@ import torch
 from accelerate import disk_offload
 from tiny_models import PROMPTS, make_drafter, make_target, trained_pair
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.utils import output_capturing
 
 import hf_eagle31
 from hf_eagle31 import generation
@@ -29,9 +28,8 @@ def state(model) -> dict:
     return {
         "tensors": {name: t.detach().clone() for name, t in model.state_dict().items()},
         "forwards": {name: vars(m).get("forward") for name, m in model.named_modules()},
-        "hooks": {name: [hook for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
-                         if hook.__module__ != output_capturing.__name__]  # transformers' own, left by any forward
-                  for name, m in model.named_modules()},                  # that asks for hidden states
+        "hooks": {name: [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]  # transformers' own included
+                  for name, m in model.named_modules()},
         "attention": getattr(model.config, "_attn_implementation", None),
         "training": model.training,
     }
@@ -197,3 +195,19 @@ def test_inside_packed_weights_the_model_converts_copies_loads_and_keeps_new_par
     target.train()
     target(PROMPTS[:1], labels=PROMPTS[:1]).loss.backward()
     assert all(p.grad is not None for p in target.parameters() if p.requires_grad)
+
+
+def test_a_fresh_target_keeps_no_hooks_after_eagle_and_fast_decoding_calls():
+    """(Before: one EAGLE call left transformers' output-capturing hooks on 12 modules of a fresh target: the prefill
+    asks for hidden states, and transformers installs them for good at the first such forward.)"""
+    target = make_target(seed=14)
+    drafter = make_drafter(target)
+    before = state(target)
+    target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=8, assistant_model=drafter)
+    target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=8, custom_generate=hf_eagle31.fast_decoding)
+    assert_same(target, before)
+    assert not any(m._forward_hooks for m in target.modules())
+    target(PROMPTS[:1], output_hidden_states=True)  # a user's own forward still gets its hooks, and keeps them
+    assert any(m._forward_hooks for m in target.modules())
+    target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=8, assistant_model=drafter)
+    assert any(m._forward_hooks for m in target.modules())

@@ -1,11 +1,12 @@
 """The CPU backend's products (hf_eagle31/backends/cpu/products.py): made from a model's weights, held beside it,
 computing what its layers' own calls compute; the model itself never changes."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
-from tiny_models import PROMPTS, make_target, trained_pair
+from tiny_models import PROMPTS, make_drafter, make_target, trained_pair
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
@@ -137,7 +138,7 @@ def test_a_serving_loop_makes_the_products_once_and_the_model_saves_and_trains_i
     prompts = (PROMPTS[0:1], PROMPTS[3:4])
     expected = [target.generate(p, do_sample=False, max_new_tokens=16) for p in prompts]
     made = []
-    monkeypatch.setattr(cpu_products, "_pack", lambda members, pack=cpu_products._pack: made.append(1) or pack(members))
+    monkeypatch.setattr(cpu_products, "_pack", lambda members, held, pack=cpu_products._pack: made.append(1) or pack(members, held))
     with hf_eagle31.packed_weights(target), hf_eagle31.packed_weights(drafter):
         count = len(made)
         outputs = [target.generate(p, assistant_model=drafter, do_sample=False, max_new_tokens=16) for p in prompts]
@@ -179,3 +180,118 @@ def test_a_call_under_inference_mode_leaves_ordinary_weights_the_target_can_trai
         target.generate(PROMPTS[:1], assistant_model=drafter, do_sample=False, max_new_tokens=8)
     assert not any(p.is_inference() for p in [*target.parameters(), *drafter.parameters()])
     target(PROMPTS[:1]).logits.sum().backward()  # raised "Inference tensors cannot be saved for backward"
+
+
+# --- what the products are made from, and when they may not stand in for the layers --------------------------------
+
+
+def _edit(target, how: str) -> None:
+    """A weight edit that keeps the version counter: the ways users and libraries change weights in place."""
+    weight = target.model.layers[1].mlp.down_proj.weight
+    if how == "fused AdamW":
+        target.train()
+        target(PROMPTS[:1], labels=PROMPTS[:1]).loss.backward()
+        target.eval()
+        torch.optim.AdamW(target.parameters(), lr=0.05, fused=True).step()
+        target.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        if how == "data.add_":
+            weight.data.add_(torch.randn_like(weight) * 0.3)
+        elif how == "data.copy_":
+            weight.data.copy_(torch.randn_like(weight) * 0.3)
+        elif how == "data =":
+            weight.data = -weight.data
+        elif how == "vector_to_parameters":
+            vector = torch.nn.utils.parameters_to_vector(target.parameters())
+            torch.nn.utils.vector_to_parameters(vector * 1.25, target.parameters())
+        elif how == "one element":
+            weight.data[3, 5] += 2.0
+
+
+@pytest.mark.parametrize("how", ["data.add_", "data.copy_", "data =", "vector_to_parameters", "fused AdamW",
+                                 "one element"])
+def test_held_products_follow_a_weight_edited_behind_its_version_counter(how, monkeypatch):
+    """(Before: the held oneDNN copies stayed as they were: plain [90, 208, 208, 132, ...], EAGLE and fast_decoding
+    [192, 192, 192, 192, 76, 147, ...].) fp32 on oneDNN's copies, so that greedy output is exact."""
+    monkeypatch.setattr(cpu_products, "rows_layout", lambda dtype: False)
+    target, drafter = trained_pair("llama", eagle31=True)
+    target, drafter = copy.deepcopy(target), copy.deepcopy(drafter)
+    drafter.set_target_embedding(target.get_input_embeddings())
+    prompt = PROMPTS[:1]
+    with packed_weights(target), packed_weights(drafter):
+        target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=4)
+        _edit(target, how)
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=24)
+        assert torch.equal(target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=24), plain)
+        assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=24,
+                                           custom_generate=hf_eagle31.fast_decoding), plain)
+
+
+def test_a_model_converted_inside_packed_weights_decodes_in_its_new_dtype():
+    """(Before: a raw oneDNN primitive error, the bf16 products kept for fp32 weights.)"""
+    target = make_target(seed=8, dtype=torch.bfloat16)
+    if not can_pack(target):
+        pytest.skip("bf16 runs on the CPU backend only where oneDNN computes it")
+    with packed_weights(target):
+        target.to(torch.float32)
+        plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16)
+        assert torch.equal(target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16,
+                                           custom_generate=hf_eagle31.fast_decoding), plain)
+
+
+class RoundedWeight(torch.Tensor):
+    """A fake-quantized weight: its `F.linear` multiplies by the weight rounded to eighths."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            weight = args[1].as_subclass(torch.Tensor)
+            return func(args[0], torch.round(weight * 8) / 8, *args[2:], **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class FavourToken(torch.overrides.TorchFunctionMode):
+    """A user's mode that changes what `F.linear` gives on one weight (the head): token 7 always wins."""
+
+    def __init__(self, head: torch.Tensor):
+        super().__init__()
+        self.head = head
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear and args[1] is self.head:
+            out[..., 7] += 1000.0
+        return out
+
+
+@pytest.mark.parametrize("case", ["fake-quantized weights", "a user's torch function mode", "autocast",
+                                  "a non-contiguous weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_what_changes_how_torch_multiplies_is_honoured(case, dtype):
+    """(Before: fake-quantized weights multiplied on their raw storage, a user's mode skipped for verify products
+    (plain [7, 7, 7, ...], EAGLE a mix), raw errors `rows_linear: fp32 input expected` under autocast and for a
+    non-contiguous weight.) Such calls run on the default backend, or such layers as modules."""
+    target = make_target(seed=9, dtype=dtype)
+    if not can_pack(target):
+        pytest.skip("bf16 runs on the CPU backend only where oneDNN computes it")
+    drafter = make_drafter(target)
+    drafter.generation_config.verify_mode = "exact" if dtype == torch.bfloat16 else "batched"
+    context = contextlib.nullcontext()
+    if case == "fake-quantized weights":
+        for layer in target.model.layers:
+            layer.mlp.up_proj.weight = torch.nn.Parameter(RoundedWeight(layer.mlp.up_proj.weight.detach()))
+    elif case == "a user's torch function mode":
+        context = FavourToken(target.lm_head.weight)
+    elif case == "autocast":
+        context = torch.autocast("cpu", torch.bfloat16)
+    else:
+        layer = target.model.layers[0].self_attn.o_proj
+        layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t())
+    prompt = PROMPTS[:1]
+    with context:
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=16)
+        eagle = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=16)
+        fast = target.generate(prompt, do_sample=False, max_new_tokens=16, custom_generate=hf_eagle31.fast_decoding)
+    assert torch.equal(eagle, plain) and torch.equal(fast, plain)
+    if case == "a user's torch function mode":
+        assert (plain[0, prompt.shape[1]:] == 7).all()

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers import Cache, PreTrainedModel
 
 from hf_eagle31.drafting import Replay
@@ -94,13 +97,25 @@ class DefaultBackend:
 DEFAULT = DefaultBackend()
 
 
+def torch_as_usual(device: torch.device) -> bool:
+    """Whether torch computes as it does by default in this thread: no autocast on `device`, and no torch function
+    or dispatch mode on the stacks but torch's device context.
+
+    Why: the CPU backend computes the products itself, so a user's autocast (which would run them in another
+    dtype) or mode (which would change or see `F.linear`) would not apply to them. Such a call runs on the default
+    backend, where every operation goes through torch as plain `generate`'s do."""
+    if torch.is_autocast_enabled(device.type) or _get_current_dispatch_mode_stack():
+        return False
+    return all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
+
+
 def backend_for(target: PreTrainedModel, pack_weights: bool) -> Backend:
     """The backend a call with `pack_weights` (the drafter's setting) runs on: the CPU backend where it serves the
-    target, else the default one."""
+    target and torch computes as usual (`torch_as_usual`), else the default one."""
     if pack_weights:
         from hf_eagle31.backends.cpu import CPU  # imported on first use: a CUDA call never loads the CPU machinery
 
-        if CPU.serves(target):
+        if CPU.serves(target) and torch_as_usual(target.device):
             return CPU
     return DEFAULT
 

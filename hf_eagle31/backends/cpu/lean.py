@@ -37,11 +37,11 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from hf_eagle31 import verification
 from hf_eagle31.backends.cpu.products import (
     Products,
-    ProductsMode,
     active_products,
     no_hooks,
     packed_product,
     product_key,
+    products_mode,
     quiet,
 )
 from hf_eagle31.kernels.tree_attention import grouped_attention
@@ -274,5 +274,5 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     else:
         x, features = _decoder(model, room.products, *inputs)
     room.commit(cache, keys, values)
-    with ProductsMode(active_products()):  # the head as a module (its hooks see every forward), on its product
+    with products_mode(active_products()):  # the head as a module (its hooks see every forward), on its product
         return target.lm_head(x).float(), features

@@ -14,8 +14,10 @@ The model is only read: its weights, hooks and forwards stay as they are, and a 
 products only where this call asks for them (the lean forward and the drafter take them by name; a
 transformers forward runs under `ProductsMode`, which this thread alone enters). So an interrupt at
 any point, a plain call in another thread, a layer patched by the user or accelerate, a save or a
-training step inside a `packed_weights` block all meet the model as it is. Products go stale when a
-weight changes (`fresh`): they are then built again, or not used.
+training step inside a `packed_weights` block all meet the model as it is. Held products go stale when
+a weight changes, through any path (`Products.fresh` compares what they were made from): they are then
+made again. Every change to a thread's state (the products it multiplies by, `ProductsMode` on its mode
+stack, a model's held products) is made and undone whole under Ctrl-C (`interrupts.Held`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transformers.utils import output_capturing
 
 from hf_eagle31.backends import fast_bf16
 from hf_eagle31.backends.cpu.rows import rows_kernel, rows_linear
+from hf_eagle31.interrupts import Held
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size
@@ -91,13 +94,29 @@ class Product:
     key: int  # the first member's `product_key`
     members: tuple[nn.Parameter, ...]  # the members' own weights, as they were when packed
     biases: tuple[nn.Parameter | None, ...]  # and biases
-    versions: tuple[int, ...]  # the weights' version counters then: a weight changed in place makes it stale
+    versions: tuple[tuple, ...]  # each weight's `_made_from` then
+    sums: tuple[int, ...] = ()  # with `held`: the `checksum` of each tensor this product copied (`copies`)
     pending: tuple | None = None  # (input, its version, the outputs not yet taken)
 
     def holds(self, member: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether `weight` and `bias` are still what member `member` was made from: the same tensors, unchanged."""
-        return weight is self.members[member] and weight._version == self.versions[member] and \
+        """Whether `weight` and `bias` are still the tensors member `member` was made from, in the same memory, not
+        changed through themselves (their version counters): checked at each product a transformers forward asks
+        for, so cheap. A change through another view of the memory is `checked` once per call instead."""
+        return weight is self.members[member] and _made_from(weight) == self.versions[member] and \
             bias is self.biases[member]
+
+    def copies(self) -> list[torch.Tensor]:
+        """The model's tensors this product computes with a copy of: the weights reordered for oneDNN, the biases
+        stacked (the rows kernel reads the weights themselves)."""
+        weights = list(self.members) if self.weight is not None else []
+        stacked = len(self.members) > 1 and self.biases[0] is not None
+        return weights + (list(self.biases) if stacked else [])
+
+    def checked(self) -> bool:
+        """Whether the model's tensors still hold what this product's copies were made from, bit for bit (`checksum`):
+        an edit through `.data`, a fused optimizer step or a copy into the memory leaves the version counter as it
+        was."""
+        return tuple(map(checksum, self.copies())) == self.sums
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's output, side by side in the last dimension: the one product."""
@@ -123,17 +142,34 @@ class Product:
         return out
 
 
+def _made_from(weight: torch.Tensor) -> tuple:
+    return weight._version, weight.data_ptr(), weight.dtype, weight.shape, weight.stride()
+
+
+@torch.no_grad()
+def checksum(tensor: torch.Tensor) -> int:
+    """The wrapping sum of a tensor's bytes read as 32-bit words: any change to one element changes it, and it
+    streams at about the memory's rate (an integer sum, the same in any order and on any thread count)."""
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    whole = raw.numel() // 4 * 4
+    words = raw[:whole] if raw.storage_offset() % 4 == 0 else raw[:whole].clone()
+    return int(torch.sum(words.view(torch.int32), dtype=torch.int32)) + int(raw[whole:].sum())
+
+
 @torch.inference_mode(False)
 @torch.no_grad()
-def _pack(members: list[nn.Linear]) -> Product:
+def _pack(members: list[nn.Linear], held: bool) -> Product:
     weights, biases = tuple(m.weight for m in members), tuple(m.bias for m in members)
     bias = biases[0] if len(members) == 1 or biases[0] is None else torch.cat([b.detach() for b in biases])
-    sizes, versions, key = [w.shape[0] for w in weights], tuple(w._version for w in weights), product_key(members[0])
-    if rows_layout(weights[0].dtype):
-        return Product(None, bias, sizes, key, weights, biases, versions)
-    stacked = weights[0].detach() if len(members) == 1 else torch.cat([w.detach() for w in weights])
-    packed = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), BATCH_HINT)
-    return Product(packed, bias, sizes, key, weights, biases, versions)
+    sizes, versions, key = [w.shape[0] for w in weights], tuple(map(_made_from, weights)), product_key(members[0])
+    packed = None
+    if not rows_layout(weights[0].dtype):
+        stacked = weights[0].detach() if len(members) == 1 else torch.cat([w.detach() for w in weights])
+        packed = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), BATCH_HINT)
+    product = Product(packed, bias, sizes, key, weights, biases, versions)
+    if held:
+        product.sums = tuple(map(checksum, product.copies()))
+    return product
 
 
 def no_hooks(module: nn.Module) -> bool:
@@ -148,11 +184,22 @@ def quiet(module: nn.Module) -> bool:
     return no_hooks(module) and "forward" not in vars(module)
 
 
+def _plain(tensor: torch.Tensor | None) -> bool:
+    """A tensor whose `F.linear` is torch's own (not a subclass that multiplies its own way: a fake-quantized or
+    wrapped weight), laid out as the products read it."""
+    return tensor is None or (type(tensor) in (nn.Parameter, torch.Tensor) and tensor.is_contiguous())
+
+
+def packable(module: nn.Module) -> bool:
+    """A layer whose product computes what its own call computes: torch's `nn.Linear` on plain, contiguous CPU
+    weights of a packed dtype. Any other layer runs as a module."""
+    return type(module) is nn.Linear and module.weight.dtype in PACKED_DTYPES and \
+        module.weight.device.type == "cpu" and _plain(module.weight) and _plain(module.bias) and \
+        (module.bias is None or module.bias.dtype == module.weight.dtype)
+
+
 def _groups(model: nn.Module) -> list[list[nn.Linear]]:
     """The linear layers to hold products of: siblings that read one input together (`SIBLINGS`), others alone."""
-    def packable(module) -> bool:
-        return type(module) is nn.Linear and module.weight.dtype in PACKED_DTYPES and module.weight.device.type == "cpu"
-
     groups, grouped = [], set()
     for module in model.modules():
         for names in SIBLINGS:
@@ -165,22 +212,26 @@ def _groups(model: nn.Module) -> list[list[nn.Linear]]:
 
 
 class Products:
-    """The products of one model's linear layers (`Product`), made from its weights and held here, not in it."""
+    """The products of one model's linear layers (`Product`), made from its weights and held here, not in it.
+    `held`: they may serve later calls (`packed_weights`), so they remember what they copied (`Product.checked`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, held: bool = False):
         self.by_layer: dict[int, tuple[nn.Linear, Product, int]] = {}  # id(layer) -> (layer, product, member)
         self.by_weight: dict[int, tuple[Product, int]] = {}  # id(weight) -> (product, member): `ProductsMode`
         self.by_key: dict[int, Product] = {}
         for members in _groups(model):
-            product = _pack(members)
+            product = _pack(members, held)
             self.by_key[product.key] = product
             for index, layer in enumerate(members):
                 self.by_layer[id(layer)] = (layer, product, index)
                 self.by_weight[id(layer.weight)] = (product, index)
 
     def fresh(self) -> bool:
-        """Whether every layer still holds the weight its product was made from (not moved, converted or changed)."""
-        return all(product.holds(index, layer.weight, layer.bias) for layer, product, index in self.by_layer.values())
+        """Whether every layer still holds the weights its product was made from, unchanged by any path (checked per
+        call: one pass over the tensors the products copied)."""
+        return all(product.holds(index, layer.weight, layer.bias) and packable(layer)
+                   for layer, product, index in self.by_layer.values()) and \
+            all(product.checked() for product in self.by_key.values())
 
     def of(self, *layers: nn.Linear) -> Product | None:
         """The product that computes exactly these layers, in this order, as their own calls would; None where
@@ -199,17 +250,37 @@ class Products:
         product = self.of(*layers)
         return None if product is None else product.whole(x)
 
-    @contextlib.contextmanager
-    def active(self, mode: bool = False):
+    def active(self, mode: bool = False) -> Held:
         """These products answer `packed_product` in this thread (the lean forward's products, by key), and with
         `mode` also `F.linear` on the model's weights (`ProductsMode`: a transformers forward's)."""
-        previous = getattr(_ACTIVE, "products", None)
-        _ACTIVE.products = self
-        try:
-            with ProductsMode(self) if mode else contextlib.nullcontext():
-                yield
-        finally:
-            _ACTIVE.products = previous
+        return Held(*_activation(self, ProductsMode(self) if mode else None))
+
+
+def _activation(products: Products | None, mode: TorchFunctionMode | None) -> tuple:
+    """`products` made this thread's and `mode` pushed on its mode stack, and the undo of both (`Held`'s pair)."""
+    previous = []
+
+    def apply():
+        previous.append(getattr(_ACTIVE, "products", None))
+        _ACTIVE.products = products or previous[0]
+        if mode is not None:
+            try:
+                mode.__enter__()
+            except BaseException:
+                _ACTIVE.products = previous[0]
+                raise
+
+    def undo():
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        _ACTIVE.products = previous[0]
+
+    return apply, undo
+
+
+def products_mode(products: Products) -> Held:
+    """`ProductsMode` on this thread's mode stack for a block, pushed and popped whole under Ctrl-C."""
+    return Held(*_activation(None, ProductsMode(products)))
 
 
 class ProductsMode(TorchFunctionMode):
@@ -265,18 +336,28 @@ _HELD: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary() 
 _HELD_LOCK = threading.Lock()
 
 
-def products_for(model: nn.Module) -> Products:
-    """The model's products for one call: those a `packed_weights` block holds while they are fresh, else new ones
-    (the call's own, gone with it)."""
+def _held(model: nn.Module) -> Products | None:
     with _HELD_LOCK:
         held = _HELD.get(model)
-    if held is not None and held[1].fresh():
-        return held[1]
-    return Products(model)
+        return None if held is None else held[1]
 
 
-@contextlib.contextmanager
-def packed_weights(model: nn.Module, enabled: bool = True):
+def products_for(model: nn.Module) -> Products:
+    """The model's products for one call: those a `packed_weights` block holds while they are fresh, else new ones:
+    the block's from then on, or the call's own outside a block."""
+    held = _held(model)
+    if held is not None and held.fresh():
+        return held
+    products = Products(model, held=held is not None)
+    if held is not None:
+        with _HELD_LOCK:
+            entry = _HELD.get(model)
+            if entry is not None and entry[1] is held:
+                entry[1] = products
+    return products
+
+
+def packed_weights(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
     """Hold the model's products for the block, so that the EAGLE calls inside do not each make their own. Each
     EAGLE `generate` call otherwise makes them for itself (about 0.15-0.2 s for SmolLM2-135M in bf16 on 2 cores;
     nothing in fp32 on AVX-512, whose rows kernel reads the weights as they are); a serving loop pays that once:
@@ -287,19 +368,25 @@ def packed_weights(model: nn.Module, enabled: bool = True):
 
     The model itself is not changed: inside, it saves, copies, moves and trains as outside, and plain calls run
     as they would. Memory: a second copy of its linear weights where they are reordered for oneDNN (bf16; fp32
-    without AVX-512), none on the rows kernel. A weight changed inside makes the calls after it make their own."""
+    without AVX-512), none on the rows kernel. A weight changed inside, by any path, makes the next call make
+    them again (each call compares them with the weights: one pass over the copied ones)."""
     if not (enabled and can_pack(model)):
-        yield
-        return
-    with _HELD_LOCK:
-        held = _HELD.setdefault(model, [0, None])
-        if held[1] is None or not held[1].fresh():
-            held[1] = Products(model)
-        held[0] += 1
-    try:
-        yield
-    finally:
+        return contextlib.nullcontext()
+    held = _held(model)
+    products = held if held is not None and held.fresh() else Products(model, held=True)  # made before any is held
+
+    def hold():
         with _HELD_LOCK:
-            held[0] -= 1
-            if not held[0]:
-                _HELD.pop(model, None)
+            entry = _HELD.setdefault(model, [0, products])
+            entry[0] += 1
+            if entry[1] is held:  # unless another thread refreshed them meanwhile
+                entry[1] = products
+
+    def release():
+        with _HELD_LOCK:
+            entry = _HELD[model]
+            entry[0] -= 1
+            if not entry[0]:
+                del _HELD[model]
+
+    return Held(hold, release)
