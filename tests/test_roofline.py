@@ -15,6 +15,8 @@ def test_the_read_bandwidth_is_a_plausible_rate_over_a_buffer_beyond_the_cache(m
     monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda device: 40 * 2**20)
     assert read_bandwidth() == 2 * 8 * 40 * 2**20  # eight caches' bytes in 0.5 s
     assert timed == [pytest.approx(8 * 40 * 2**20 / 4)]  # the sum over a buffer of ones read every float of it
+    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda device: 0)  # unknown: the least buffer
+    assert read_bandwidth() == 2 * 256 * 2**20
 
 
 def test_the_bytes_a_step_reads_leave_out_the_embedding_table_unless_it_is_the_head():

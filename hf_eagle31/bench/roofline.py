@@ -17,8 +17,8 @@ from torch import nn
 
 from hf_eagle31.tuning import best_of
 
-MIN_BUFFER_BYTES = 256 * 2**20
 CACHE_MULTIPLE = 8  # the buffer is this many last-level caches: all but a sliver of each sum comes from memory
+BUFFER_BYTES = (256 * 2**20, 2**30)  # its bounds: past the caches where Linux does not say, and within a second
 COUNTED = ("every parameter of the target but the input embedding table, of which a step reads one row (an LM head "
            "tied to it is read whole, counted once); not buffers, the attention cache or the drafter")
 
@@ -38,13 +38,13 @@ def last_level_cache_bytes(device: torch.device) -> int:
 @torch.no_grad()
 def read_bandwidth(device: torch.device | str = "cpu", repeats: int = 10) -> float:
     """Bytes per second the device reads from memory on the threads torch computes with: the best of `repeats`
-    sums over an fp32 buffer of `CACHE_MULTIPLE` last-level caches (at least 256 MiB).
+    sums over an fp32 buffer of `CACHE_MULTIPLE` last-level caches (within `BUFFER_BYTES`).
 
     A sum reads every byte once and computes next to nothing, as a decoding step streams its weights; the best
     of several, because a shared machine only ever slows a read down.
     """
     device = torch.device(device)
-    size = max(MIN_BUFFER_BYTES, CACHE_MULTIPLE * last_level_cache_bytes(device))
+    size = min(max(BUFFER_BYTES[0], CACHE_MULTIPLE * last_level_cache_bytes(device)), BUFFER_BYTES[1])
     buffer = torch.ones(size // 4, device=device)
     return buffer.nbytes / best_of(buffer.sum, repeats)
 
