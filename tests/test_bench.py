@@ -365,9 +365,13 @@ def test_datasets_combine_and_the_bound_by_hand():
     assert bound(overall[1], tuning, 2, overall[0]) == pytest.approx(62 / 1.25 / (64 / 6.0))
 
 
-def test_bench_command_on_the_demo_pair(tmp_path, capsys):
+def test_bench_command_on_the_demo_pair(tmp_path, capsys, monkeypatch):
+    from hf_eagle31.bench import verify_cost
     from hf_eagle31.cli import main as cli_main
 
+    # the verify forwards themselves are timed in test_verify_cost_study_...: here a step of 10 ms, and 1 ms a row
+    monkeypatch.setattr(verify_cost, "verify_cost_curve", lambda target, sizes, *_, **__: {n: 0.009 + 0.001 * n
+                                                                                           for n in sizes})
     out = tmp_path / "bench"
     assert cli_main(["bench", "--pair", "demo", "--num-prompts", "1", "--max-new-tokens", "6", "--no-tune",
                      "--out", str(out)]) == 0
@@ -393,7 +397,8 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys):
     assert {path: list(curve) for path, curve in line["verify_seconds"].items()} == \
         {path: ["1", "2", "3", "4", "6", "8", "12", "16"] for path in ("default", "packed")}
     printed = capsys.readouterr().out
-    assert "**Roofline**: read bandwidth" in printed and "| path | t(1) | t(2) |" in printed
+    assert "**Roofline**: read bandwidth" in printed and "| default | 1.00 | 1.10 | 1.20 | 1.30 | 1.50 |" in printed
+    assert f"the floor (a step's weights read once): {line['floor_seconds_per_token'] / 0.01:.2f} t(1)" in printed
     assert "over floor rate" in (out / "results.md").read_text()
     assert cli_main(["bench", "--pair", "demo", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
     assert "none.jsonl does not exist" in capsys.readouterr().err
