@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_eagle31.bench.roofline import Roofline, speedup_claim
+from hf_eagle31.bench.roofline import COUNTED, Roofline, speedup_claim
 from hf_eagle31.bench.runner import MethodResult, best_plain
 from hf_eagle31.bench.verify_cost import table
 
@@ -123,7 +123,7 @@ def tuning_table(tuning: dict[str, dict]) -> str:
 
 def roofline_text(roofline: Roofline, verify_seconds: dict | None) -> str:
     """The roofline in words, and beside it the verify cost curve: n rows in one forward over one plain step."""
-    text = f"**Roofline**: {roofline.describe()}; counted: {roofline.as_dict()['counted']}."
+    text = f"**Roofline**: {roofline.describe()}; counted: {COUNTED}."
     if verify_seconds:
         floor = roofline.floor_seconds / verify_seconds["default"][1]
         text += f"\n\nVerify cost, {table(verify_seconds)}\n\nthe floor (a step's weights read once): {floor:.2f} t(1)"

@@ -80,7 +80,7 @@ class Roofline:
         return 1.0 / self.floor_seconds
 
     def of_floor(self, tokens_per_second: float) -> float:
-        """A decoding's tokens/s over the floor rate: at most 1 for a plain one, above 1 only by speculating."""
+        """A decoding's tokens/s over the floor rate: about 1 at most for a plain one, above 1 only by speculating."""
         return tokens_per_second / self.floor_rate
 
     def describe(self) -> str:
