@@ -60,7 +60,7 @@ TUNING_ROUNDS = 3  # passes over the costs tuning measures (verify curve, plain 
 CALL_TOKENS = 256  # new tokens of a typical call: what packing the weights once a call is spread over
 
 
-def _best_of(fn, repeats: int, before: Callable[[], object] | None = None) -> float:
+def best_of(fn, repeats: int, before: Callable[[], object] | None = None) -> float:
     """The fastest of `repeats` calls of `fn`, each after an untimed call of `before` (if given)."""
     times = []
     for _ in range(repeats):
@@ -122,7 +122,7 @@ def verify_cost_curve(
                 cache.crop(-n)
 
             forward()  # warm-up
-            costs[n] = _best_of(forward, repeats)
+            costs[n] = best_of(forward, repeats)
     return costs
 
 
@@ -164,7 +164,7 @@ def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int =
         draft_tree(state, tokens[:, -1], depth, top_k, 10**6, static=static)
 
     one_tree()
-    return _best_of(one_tree, repeats, before)
+    return best_of(one_tree, repeats, before)
 
 
 def verify_paths(target: PreTrainedModel, drafter: Eagle3DraftModel) -> tuple[bool, ...]:
@@ -185,7 +185,7 @@ def packing_cost(target: PreTrainedModel, drafter: Eagle3DraftModel, repeats: in
         backend.products(drafter)
 
     pack()  # warm-up: the rows kernel loads once a process
-    return _best_of(pack, repeats)
+    return best_of(pack, repeats)
 
 
 BATCH_SIZES = (2, 4, 8, 16)
@@ -216,7 +216,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             cache.crop(-n)
 
         forward()  # warm-up
-        return _best_of(forward, repeats)
+        return best_of(forward, repeats)
 
     after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
     layer_ids, backend = drafter.config.target_layer_ids, backend_for(target, pack)

@@ -102,27 +102,41 @@ def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path, monkeypatch):
 
 
 def test_headline_ratios_and_deep_acceptance_by_hand():
-    from hf_eagle31.bench.report import headline
-    from hf_eagle31.bench.runner import MethodResult
+    from hf_eagle31.bench.report import headline, markdown_table
+    from hf_eagle31.bench.roofline import Roofline
+    from hf_eagle31.bench.runner import MethodResult, combine
 
     def result(name, tokens, seconds, forwards, reached=(), accepted=()):
         return MethodResult(name, tokens, seconds, forwards, None, True, list(reached), list(accepted))
 
     results = [
         result("target alone", 102, 10.0, 102),
+        result("target alone, fast decoding", 102, 8.0, 102),
         result("assisted (small LM)", 102, 8.0, 60),
         result("prompt lookup", 102, 5.0, 70),
         result("EAGLE-3 tree", 102, 4.0, 42, reached=[40, 30, 20, 10, 6, 2], accepted=[30, 20, 10, 6, 2, 0]),
         result("EAGLE 3.1 tree", 102, 2.0, 22, reached=[20, 18, 16, 14, 12, 10], accepted=[18, 16, 14, 12, 10, 8]),
     ]
-    assert results[4].acceptance_from(5) == pytest.approx((10 + 8) / (12 + 10))
-    assert results[4].acceptance_from(7) is None
+    results = combine([results])  # the speedups, over the faster plain decoding (fast decoding: 12.75 tokens/s)
+    assert results[5].acceptance_from(5) == pytest.approx((10 + 8) / (12 + 10))
+    assert results[5].acceptance_from(7) is None
     lines = headline(results, prompts=2)
-    assert lines[:3] == ["EAGLE 3.1 tree vs target alone: 5.00x tokens/s",
+    assert lines[:3] == ["EAGLE 3.1 tree: speedup over the best plain decoding (target alone, fast decoding): 4.00x "
+                         "(5.00x over target alone at default settings)",
                          "EAGLE 3.1 tree vs assisted (small LM): 4.00x tokens/s",
                          "EAGLE 3.1 tree vs prompt lookup: 2.50x tokens/s"]
     # tau = (new tokens - prompts) / (forwards - prompts): 100 / 20 = 5.00 and 100 / 40 = 2.50
     assert lines[3] == "EAGLE 3.1 vs EAGLE-3, tree: tau 5.00 vs 2.50 (2.00x), acceptance at depth >= 5: 0.82 vs 0.25"
+    # two forwards more and tau is 100 / 42 = 2.38, under the speedup of 4.00: the plain baseline is handicapped
+    results[5].target_forwards = 44
+    floor = Roofline(bandwidth=5.1e9, step_bytes=100_000_000, dtype="float32")  # 51 tokens/s
+    assert headline(results, prompts=2, roofline=floor)[0] == (
+        "EAGLE 3.1 tree: WARNING: speedup over the best plain decoding (target alone, fast decoding): 4.00x exceeds "
+        "tau 2.38: the plain baseline runs below the memory's rate (25% of the floor rate), so this is not a result "
+        "(5.00x over target alone at default settings)")
+    assert "| EAGLE 3.1 tree | 51.0 | 1.00 | 4.00x | 5.00x | 2.38 |" in markdown_table(results, 2, roofline=floor)
+    assert "| target alone | 10.2 | 0.20 | 0.80x |" in markdown_table(results, 2, roofline=floor)
+    assert "| target alone | 10.2 | 0.80x |" in markdown_table(results, 2)  # no roofline, no column
 
 
 def test_drift_study_writes_its_table_and_plot(tmp_path):
@@ -351,9 +365,13 @@ def test_datasets_combine_and_the_bound_by_hand():
     assert bound(overall[1], tuning, 2, overall[0]) == pytest.approx(62 / 1.25 / (64 / 6.0))
 
 
-def test_bench_command_on_the_demo_pair(tmp_path, capsys):
+def test_bench_command_on_the_demo_pair(tmp_path, capsys, monkeypatch):
+    from hf_eagle31.bench import verify_cost
     from hf_eagle31.cli import main as cli_main
 
+    # the verify forwards themselves are timed in test_verify_cost_study_...: here a step of 10 ms, and 1 ms a row
+    monkeypatch.setattr(verify_cost, "verify_cost_curve", lambda target, sizes, *_, **__: {n: 0.009 + 0.001 * n
+                                                                                           for n in sizes})
     out = tmp_path / "bench"
     assert cli_main(["bench", "--pair", "demo", "--num-prompts", "1", "--max-new-tokens", "6", "--no-tune",
                      "--out", str(out)]) == 0
@@ -369,6 +387,19 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys):
     assert results["tuning"]["EAGLE 3.1"]["candidates"] == shipped["candidates"]
     assert "shipped" in results["tuning_source"]
     assert any(m["bound"] for m in results["methods"] if m["name"].startswith("EAGLE 3.1"))
+    # the roofline, measured in the run: the floor rate from the bandwidth and the target's bytes, each method's
+    # tokens/s over it, and the verify cost of 1-16 rows on both paths beside it
+    line = results["roofline"]
+    assert line["bandwidth_bytes_per_second"] > 0 and line["dtype"] == "float32"
+    assert line["floor_tokens_per_second"] == pytest.approx(line["bandwidth_bytes_per_second"] / line["step_bytes"])
+    assert all(m["of_floor"] == pytest.approx(m["tokens_per_second"] / line["floor_tokens_per_second"])
+               for m in results["methods"])
+    assert {path: list(curve) for path, curve in line["verify_seconds"].items()} == \
+        {path: ["1", "2", "3", "4", "6", "8", "12", "16"] for path in ("default", "packed")}
+    printed = capsys.readouterr().out
+    assert "**Roofline**: read bandwidth" in printed and "| default | 1.00 | 1.10 | 1.20 | 1.30 | 1.50 |" in printed
+    assert f"the floor (a step's weights read once): {line['floor_seconds_per_token'] / 0.01:.2f} t(1)" in printed
+    assert "over floor rate" in (out / "results.md").read_text()
     assert cli_main(["bench", "--pair", "demo", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
     assert "none.jsonl does not exist" in capsys.readouterr().err
 

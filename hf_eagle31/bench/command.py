@@ -328,6 +328,20 @@ def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
     }
 
 
+def measure_roofline(target, drafters: dict, args: argparse.Namespace):
+    """The memory roofline of the target's step on this machine, and beside it the verify cost curve of blocks of
+    1-16 rows on the layers the drafter reads (None without a drafter): both measured after the methods ran."""
+    from hf_eagle31.bench.roofline import Roofline
+    from hf_eagle31.bench.verify_cost import SIZES, measure
+
+    roofline, verify = Roofline.measure(target), None
+    if drafters:
+        layer_ids = drafters.get("EAGLE 3.1", next(iter(drafters.values()))).config.target_layer_ids
+        verify = measure(target, layer_ids, rounds=3, compiled=args.compile_verify,
+                         sizes=tuple(n for n in SIZES if n <= 16))
+    return roofline, verify
+
+
 def command_line(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> str:
     """The run's every setting as a command that repeats it (flags only when set)."""
     words = ["hf-eagle31", "bench"]
@@ -349,7 +363,8 @@ def uses_chat_template(tokenizer, args) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from hf_eagle31.bench.drift import prompt_encoders, run_drift_study
-    from hf_eagle31.bench.report import dataset_table, headline, markdown_table, tuning_table, write_results
+    from hf_eagle31.bench.report import (dataset_table, headline, markdown_table, roofline_text, tuning_table,
+                                         write_results)
     from hf_eagle31.bench.runner import combine
 
     resolve_pair(args)
@@ -402,11 +417,14 @@ def run(args: argparse.Namespace) -> int:
     meta["prompts"] = {name: n for name, (_, n) in per_dataset.items()}  # measured, with --max-parts fewer than chosen
     if args.project:
         meta["projections"] = projections(args, tuning, target.dtype)
-    write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None)
-    print(markdown_table(results, prompts, tuning))
+    roofline, verify = measure_roofline(target, drafters, args)
+    write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None,
+                  roofline, verify)
+    print(markdown_table(results, prompts, tuning, roofline))
     if len(per_dataset) > 1:
         print("\n" + dataset_table({k: v[0] for k, v in per_dataset.items()}, {k: v[1] for k, v in per_dataset.items()}))
-    print("\n" + "\n".join(headline(results, prompts)))
+    print("\n" + "\n".join(headline(results, prompts, roofline)))
+    print("\n" + roofline_text(roofline, verify))
     if tuning:
         print("\n" + tuning_table(tuning))
     for shape, projection in meta.get("projections", {}).items():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hf_eagle31.bench.roofline import COUNTED, Roofline, speedup_claim
 from hf_eagle31.bench.runner import MethodResult, best_plain
+from hf_eagle31.bench.verify_cost import table
 
 
 def bound(result: MethodResult, tuning: dict, prompts: int, baseline: MethodResult | None = None) -> float | None:
@@ -29,11 +31,14 @@ def bound(result: MethodResult, tuning: dict, prompts: int, baseline: MethodResu
     return None
 
 
-def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | None = None) -> str:
+def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | None = None,
+                   roofline: Roofline | None = None) -> str:
+    """One row per method; with a `roofline`, each method's tokens/s over the floor rate beside its tokens/s."""
+    floor = " over floor rate |" if roofline else ""
     rows = [
-        "| method | tokens/s | speedup | vs default generate | tau | bound (reached) | acceptance by depth "
+        f"| method | tokens/s |{floor} speedup | vs default generate | tau | bound (reached) | acceptance by depth "
         "| identical to target | peak memory (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "|---|---:|" + "---:|" * bool(roofline) + "---:|---:|---:|---:|---|---|---:|",
     ]
     for r in results:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_depth[:8]) or "-"
@@ -42,8 +47,9 @@ def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | Non
         memory = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.0f}"
         limit = bound(r, tuning or {}, prompts, best_plain(results))
         reach = "-" if limit is None else f"{limit:.2f}x ({r.speedup / limit:.0%})"
+        floor = f" {roofline.of_floor(r.tokens_per_second):.2f} |" if roofline else ""
         rows.append(
-            f"| {r.name} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.speedup_default:.2f}x | "
+            f"| {r.name} | {r.tokens_per_second:.1f} |{floor} {r.speedup:.2f}x | {r.speedup_default:.2f}x | "
             f"{r.tau(prompts):.2f} | {reach} | {acceptance} | {identical} | {memory} |"
         )
     return "\n".join(rows)
@@ -63,17 +69,20 @@ def dataset_table(per_dataset: dict[str, list[MethodResult]], prompts: dict[str,
 DEEP = 5  # "deep" drafts start here: where attention drift shows (SPEC section 8)
 
 
-def headline(results: list[MethodResult], prompts: int) -> list[str]:
-    """The comparisons the README quotes, every ratio from this one run: EAGLE 3.1's faster mode against
-    each baseline, and EAGLE 3.1 against EAGLE-3 in each mode (tau, and acceptance at depth >= DEEP)."""
+def headline(results: list[MethodResult], prompts: int, roofline: Roofline | None = None) -> list[str]:
+    """The comparisons the README quotes, every ratio from this one run: EAGLE 3.1's faster mode over the best
+    plain decoding (a warning in its place above tau, `speedup_claim`) and over default `generate`, against the
+    other speculative baselines, and EAGLE 3.1 against EAGLE-3 in each mode (tau, acceptance at depth >= DEEP)."""
     by_name = {r.name: r for r in results}
     lines = []
     eagle31 = [by_name[name] for name in ("EAGLE 3.1 chain", "EAGLE 3.1 tree", "EAGLE 3.1 sampling shape")
                if name in by_name]
     if eagle31:
-        best = max(eagle31, key=lambda r: r.tokens_per_second)
-        baselines = (best_plain(results).name, results[0].name, "assisted (small LM)", "prompt lookup")
-        for baseline in dict.fromkeys(baselines):
+        best, plain = max(eagle31, key=lambda r: r.tokens_per_second), best_plain(results)
+        share = roofline.of_floor(plain.tokens_per_second) if roofline else None
+        lines.append(f"{best.name}: {speedup_claim(best.speedup, best.tau(prompts), plain.name, share)} "
+                     f"({best.speedup_default:.2f}x over {results[0].name} at default settings)")
+        for baseline in ("assisted (small LM)", "prompt lookup"):
             if baseline in by_name:
                 ratio = best.tokens_per_second / by_name[baseline].tokens_per_second
                 lines.append(f"{best.name} vs {baseline}: {ratio:.2f}x tokens/s")
@@ -112,11 +121,21 @@ def tuning_table(tuning: dict[str, dict]) -> str:
     return "\n\n".join(lines)
 
 
-def _rows(results: list[MethodResult], prompts: int, tuning: dict) -> list[dict]:
+def roofline_text(roofline: Roofline, verify_seconds: dict | None) -> str:
+    """The roofline in words, and beside it the verify cost curve: n rows in one forward over one plain step."""
+    text = f"**Roofline**: {roofline.describe()}; counted: {COUNTED}."
+    if verify_seconds:
+        floor = roofline.floor_seconds / verify_seconds["default"][1]
+        text += f"\n\nVerify cost, {table(verify_seconds)}\n\nthe floor (a step's weights read once): {floor:.2f} t(1)"
+    return text
+
+
+def _rows(results: list[MethodResult], prompts: int, tuning: dict, roofline: Roofline | None = None) -> list[dict]:
     return [
         {
             "name": r.name,
             "tokens_per_second": r.tokens_per_second,
+            "of_floor": roofline.of_floor(r.tokens_per_second) if roofline else None,
             "speedup": r.speedup,
             "speedup_default": r.speedup_default,
             "tau": r.tau(prompts),
@@ -137,14 +156,18 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict) -> list[dict]
 
 
 def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta: dict, tuning: dict,
-                  per_dataset: dict[str, tuple[list[MethodResult], int]] | None = None) -> dict:
-    """results.json, results.md and plots; `per_dataset` maps a dataset to its results and prompt count."""
+                  per_dataset: dict[str, tuple[list[MethodResult], int]] | None = None,
+                  roofline: Roofline | None = None, verify_seconds: dict | None = None) -> dict:
+    """results.json, results.md and plots; `per_dataset` maps a dataset to its results and prompt count,
+    `verify_seconds` a verify path to its seconds per block size (`verify_cost.measure`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         **meta,
-        "methods": _rows(results, prompts, tuning),
-        "datasets": {name: {"prompts": n, "methods": _rows(rs, n, tuning)} for name, (rs, n) in (per_dataset or {}).items()},
-        "headline": headline(results, prompts),
+        "methods": _rows(results, prompts, tuning, roofline),
+        "datasets": {name: {"prompts": n, "methods": _rows(rs, n, tuning, roofline)}
+                     for name, (rs, n) in (per_dataset or {}).items()},
+        "headline": headline(results, prompts, roofline),
+        "roofline": {**roofline.as_dict(), "verify_seconds": verify_seconds} if roofline else None,
         "tuning": tuning,
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str))
@@ -153,8 +176,9 @@ def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta
     if per_dataset:
         datasets = dataset_table({k: v[0] for k, v in per_dataset.items()}, {k: v[1] for k, v in per_dataset.items()})
         datasets = f"\n{datasets}\n"
-    (out_dir / "results.md").write_text(f"{markdown_table(results, prompts, tuning)}\n{datasets}\n{summary}\n"
-                                        f"{tuning_table(tuning)}\n")
+    floor = f"{roofline_text(roofline, verify_seconds)}\n\n" if roofline else ""
+    (out_dir / "results.md").write_text(f"{markdown_table(results, prompts, tuning, roofline)}\n{datasets}\n"
+                                        f"{summary}\n{floor}{tuning_table(tuning)}\n")
     plot_results(out_dir, results, prompts, tuning)
     return payload
 

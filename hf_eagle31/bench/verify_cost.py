@@ -26,13 +26,14 @@ PATHS = {"default": False, "packed": True}  # name -> `pack_weights`: the CPU ba
 COMPILED = "packed, compiled"  # the packed path's lean forward compiled (`compile_verify`), with --compile-verify
 
 
-def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, compiled: bool = False) -> dict:
+def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, compiled: bool = False,
+            sizes: tuple[int, ...] = SIZES) -> dict:
     """Seconds per verify forward of each size on each path: the median over `rounds` interleaved rounds."""
     paths = {name: (pack, False) for name, pack in PATHS.items()} | ({COMPILED: (True, True)} if compiled else {})
-    seconds = {name: {n: [] for n in SIZES} for name in paths}
+    seconds = {name: {n: [] for n in sizes} for name in paths}
     for _ in range(rounds):
         for name, (pack, compile_verify) in paths.items():
-            for n, t in verify_cost_curve(target, list(SIZES), layer_ids, context=context, repeats=3, pack=pack,
+            for n, t in verify_cost_curve(target, list(sizes), layer_ids, context=context, repeats=3, pack=pack,
                                           compiled=compile_verify).items():
                 seconds[name][n].append(t)
     return {name: {n: statistics.median(ts) for n, ts in sizes.items()} for name, sizes in seconds.items()}
@@ -59,9 +60,9 @@ def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10,
 
 
 def table(seconds: dict) -> str:
-    step = seconds["default"][1]
+    step, sizes = seconds["default"][1], list(seconds["default"])
     lines = [f"t(1) = {step * 1000:.1f} ms (one plain step on the default path)", "",
-             "| path | " + " | ".join(f"t({n})" for n in SIZES) + " |", "|---|" + "---:|" * len(SIZES)]
+             "| path | " + " | ".join(f"t({n})" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
     for name, sizes in seconds.items():
         lines.append(f"| {name} | " + " | ".join(f"{t / step:.2f}" for t in sizes.values()) + " |")
     return "\n".join(lines)
