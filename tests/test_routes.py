@@ -34,7 +34,7 @@ def small_stream(monkeypatch, tmp_path):
 
 def test_the_faster_of_two_timings_serves_each_row_count(monkeypatch, small_stream):
     """One row went to MKL's product on every CPU, a constant tuned on a Xeon: on an AMD EPYC that product streams
-    the weights at a third of the memory's rate."""
+    the weights far below the memory's rate."""
     monkeypatch.setattr(routes, "_time", fake_timer({1: "rows", 5: "rows"}))
     chosen = routes.routes(torch.float32)
     assert chosen == ("rows", "torch", "torch", "torch", "rows") + ("torch",) * (MAX_ROWS - 5)
@@ -58,6 +58,18 @@ def test_routes_are_measured_once_and_kept_per_dtype_and_thread_count(monkeypatc
         assert routes.routes(torch.float32) == first and timed
     finally:
         torch.set_num_threads(threads)
+
+
+def test_onednn_serves_only_where_its_copy_pays_over_all_row_counts():
+    """A row count measured a little faster on oneDNN's product (or the others slowed by other work meanwhile) made
+    every call copy every weight for it."""
+    seconds = {"rows": [1.0] * MAX_ROWS, "torch": [3.0] * MAX_ROWS, "onednn": [1.5] * MAX_ROWS}
+    seconds["onednn"][4] = 0.9
+    assert routes.choose(seconds) == ("rows",) * MAX_ROWS
+    seconds["torch"][0] = 0.5
+    assert routes.choose(seconds) == ("torch",) + ("rows",) * (MAX_ROWS - 1)
+    seconds["onednn"] = [1.1] * 8 + [0.5] * 8  # faster over all: the copy pays, and serves where it is fastest
+    assert routes.choose(seconds) == ("torch",) + ("rows",) * 7 + ("onednn",) * 8
 
 
 def test_only_a_row_count_measured_fastest_on_onednn_makes_its_copy(monkeypatch):

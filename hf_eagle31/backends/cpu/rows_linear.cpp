@@ -5,7 +5,7 @@
 // input rows held in registers' reach, so a weight is read from memory once for every row. 9-16 rows are two
 // groups of up to 8 over the same W weight rows, the second reading them again from L1: one group of 16 rows
 // against one weight row loaded 17 vectors for 16 multiply-adds, and its input rows (16 x K floats) did not fit
-// L1, so it ran at a third of the memory's rate. Rows further on are prefetched into L2 while these compute: the
+// L1, so it ran far below the memory's rate. Rows further on are prefetched into L2 while these compute: the
 // hardware prefetcher alone leaves the memory idle during the multiplications. Into L2, not L1, and 16 rows
 // ahead: prefetched weights then do not evict the input rows from L1.
 #include <ATen/ATen.h>
