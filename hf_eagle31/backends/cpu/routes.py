@@ -135,20 +135,20 @@ def choose(seconds: dict[str, list[float]]) -> tuple[str, ...]:
 @torch.no_grad()
 def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> dict[str, list[float]]:
     """Seconds each candidate takes to multiply 1..`MAX_ROWS` rows by a stream of weights (`workload`): each
-    product the fastest of `REPEATS`, so that a product another program on the machine interrupted does not count,
-    and each weight streamed from memory (the candidates take turns over the whole stream, longer than the cache)."""
+    product the fastest of `REPEATS` passes over every row count, so that other work on the machine, which slows
+    whatever runs meanwhile, would have to last the whole measurement to count; each weight streamed from memory
+    (the candidates take turns over the whole stream, longer than the cache)."""
     weights = workload(dtype)
-    seconds = {name: [0.0] * MAX_ROWS for name in candidates}
-    for count in range(1, MAX_ROWS + 1):
-        inputs = {weight.shape[1]: torch.randn(count, weight.shape[1]).to(dtype) for weight, _ in weights}
-        best = {name: [math.inf] * len(weights) for name in candidates}
-        for _ in range(REPEATS):
+    inputs = [{weight.shape[1]: torch.randn(count, weight.shape[1]).to(dtype) for weight, _ in weights}
+              for count in range(1, MAX_ROWS + 1)]
+    best = {name: [[math.inf] * len(weights) for _ in range(MAX_ROWS)] for name in candidates}
+    for _ in range(REPEATS):
+        for index in range(MAX_ROWS):
             for name in candidates:
-                for index, (weight, packed) in enumerate(weights):
-                    best[name][index] = min(best[name][index], _time(name, inputs[weight.shape[1]], weight, packed))
-        for name in candidates:
-            seconds[name][count - 1] = sum(best[name])
-    return seconds
+                for slot, (weight, packed) in enumerate(weights):
+                    taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
+                    best[name][index][slot] = min(best[name][index][slot], taken)
+    return {name: [sum(products) for products in best[name]] for name in candidates}
 
 
 def workload(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
