@@ -10,6 +10,7 @@ import torch
 from tiny_models import _COMMON, PROMPTS, make_target, trained_pair
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
+import hf_eagle31
 from hf_eagle31.backends import fast_bf16
 from hf_eagle31.backends.cpu import lean as llama_verify
 from hf_eagle31.backends.cpu.products import Products, can_pack, packed_product
@@ -117,6 +118,19 @@ def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypat
     plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24)
     eagle = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=24, assistant_model=drafter)
     assert calls and torch.equal(eagle, plain)
+
+
+def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_greedy(monkeypatch):
+    """`fast_decoding` is the plain baseline EAGLE is measured against: its steps must run on the forward EAGLE
+    verifies with, one token each."""
+    target, _ = trained_pair("llama")
+    blocks = []
+    lean_forward = llama_verify.llama_verify_forward
+    monkeypatch.setattr(llama_verify, "llama_verify_forward",
+                        lambda *args: blocks.append(args[4].shape[1]) or lean_forward(*args))
+    plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16)
+    fast = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16, custom_generate=hf_eagle31.fast_decoding)
+    assert torch.equal(fast, plain) and blocks == [1] * 15  # the prefill's forward emits the first token
 
 
 def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it():

@@ -11,7 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
 from hf_eagle31.backends.cpu import products as cpu_products
+from hf_eagle31.backends.cpu import routes
 from hf_eagle31.backends.cpu.products import Product, Products, can_pack, packed_weights, products_for
+from hf_eagle31.backends.cpu.rows import MAX_ROWS, rows_kernel
 from hf_eagle31.training.capacity import add_decoder_layers
 
 original = Product.whole
@@ -21,11 +23,12 @@ pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN pack
 
 @pytest.fixture(params=["onednn", "rows"])
 def layout(request, monkeypatch):
-    """oneDNN's reordered copies, and (fp32 on an AVX-512 CPU) the rows kernel over the weights as they are."""
-    if request.param == "rows" and not cpu_products.rows_layout(torch.float32):
+    """oneDNN's reordered copies, and (on an AVX-512 CPU) the rows kernel over the weights as they are, for every
+    row count (bf16 on oneDNN's where the kernel has no bf16)."""
+    if request.param == "rows" and not rows_kernel():
         pytest.skip("the rows kernel needs a CPU with AVX-512 and a C++ compiler")
-    if request.param == "onednn":
-        monkeypatch.setattr(cpu_products, "rows_layout", lambda dtype: False)
+    monkeypatch.setattr(routes, "routes", lambda dtype: (
+        request.param if request.param in routes.available(dtype) else "onednn",) * MAX_ROWS)
     return request.param
 
 
@@ -48,8 +51,8 @@ def test_products_compute_what_the_layers_compute_and_leave_the_model_alone(layo
         logits = target(PROMPTS[:2, :9]).logits
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
     assert unchanged(target, before) and torch.equal(target(PROMPTS[:2, :9]).logits, reference)
-    if layout == "rows":  # the kernel reads the weights as they are: no copy
-        assert all(p.weight is None for p in products.by_key.values())
+    # the kernel reads the weights as they are: no copy
+    assert all((p.weight is None) == (layout == "rows") for p in products.by_key.values())
 
 
 def test_siblings_are_one_product_and_each_takes_its_own_output():

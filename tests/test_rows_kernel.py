@@ -1,6 +1,8 @@
-"""The fp32 rows kernel (backends/cpu/rows_linear.cpp) against torch's products, and its build: robust to a build
-killed halfway and to a compiler that fails."""
+"""The rows kernel (backends/cpu/rows_linear.cpp) against torch's products, in fp32 and bf16, at every row count a
+verify block has, and its build: keyed to what it depends on, loaded by later processes without torch's builder,
+robust to a build killed halfway and to a compiler that fails."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,26 +14,36 @@ import torch
 import torch.nn.functional as F
 
 from hf_eagle31.backends.cpu import rows
-from hf_eagle31.backends.cpu.rows import rows_kernel, rows_linear
+from hf_eagle31.backends.cpu.rows import MAX_ROWS, bf16_kernel, rows_kernel
 
 needs_kernel = pytest.mark.skipif(not rows_kernel(), reason="the rows kernel needs a CPU with AVX-512 and a C++ compiler")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not bf16_kernel(), reason="the bf16 rows kernel needs a CPU with AVX512-BF16"))]
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13, 16, 17, 40])  # 1 and 40: torch's; 17: a second pass of 16
-@pytest.mark.parametrize("features", [(576, 1536), (1536, 577), (100, 7), (24, 3)])  # tails of 16 inputs, 6 outputs
-def test_the_kernel_computes_torchs_product(rows, features):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [*range(1, MAX_ROWS + 1), 17, 40])  # 17, 40: further passes of 16
+@pytest.mark.parametrize("features", [(576, 1536), (1536, 577), (100, 7), (24, 3), (33, 13)])  # K, N tails
+def test_the_kernel_computes_torchs_product(rows, features, dtype):
     in_features, out_features = features
     torch.manual_seed(rows)
-    x = torch.randn(2, rows, in_features)[:, :, :]  # leading dimensions kept
-    weights = [torch.randn(out_features, in_features), torch.randn(5, in_features)]
-    bias = torch.randn(out_features + 5)
-    expected = F.linear(x, torch.cat(weights), bias)
-    out = rows_linear(x[:1], weights, bias)
-    assert out.shape == expected[:1].shape
-    torch.testing.assert_close(out, expected[:1], atol=2e-4 * in_features ** 0.5, rtol=1e-4)
-    torch.testing.assert_close(rows_linear(x[:1], weights[:1], None), F.linear(x[:1], weights[0]),
-                               atol=2e-4 * in_features ** 0.5, rtol=1e-4)
+    x = torch.randn(2, rows, in_features).to(dtype)  # leading dimensions kept
+    weights = [torch.randn(out_features, in_features).to(dtype), torch.randn(5, in_features).to(dtype)]
+    bias = torch.randn(out_features + 5).to(dtype)
+    expected = F.linear(x[:1].float(), torch.cat(weights).float(), bias.float())  # the exact sums, in fp32
+    out = torch.ops.hf_eagle31_rows.linear(x[:1], weights, bias)
+    alone = torch.ops.hf_eagle31_rows.linear(x[:1], weights[:1], None)
+    assert out.dtype == alone.dtype == dtype and out.shape == expected.shape
+    # fp32: sums in another order; bf16: each output rounded once to bf16 (8 bits), as torch's bf16 product does
+    tolerance = dict(atol=2e-4 * in_features ** 0.5, rtol=1e-4) if dtype == torch.float32 else \
+        dict(atol=1e-3 * in_features ** 0.5, rtol=2 ** -8)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+    torch.testing.assert_close(alone.float(), F.linear(x[:1].float(), weights[0].float()), **tolerance)
+    if dtype == torch.bfloat16:  # and as close to the exact sums as torch's own bf16 product
+        ours = (out.float() - expected).abs().max()
+        torchs = (F.linear(x[:1], torch.cat(weights), bias).float() - expected).abs().max()
+        assert ours <= 2 * torchs + 1e-6
 
 
 @needs_kernel
@@ -41,6 +53,10 @@ def test_the_kernel_refuses_what_it_cannot_multiply():
         torch.ops.hf_eagle31_rows.linear(x.double(), [torch.randn(4, 8)], None)
     with pytest.raises(RuntimeError, match="8 input features"):
         torch.ops.hf_eagle31_rows.linear(x, [torch.randn(4, 9)], None)
+    with pytest.raises(RuntimeError, match="8 input features"):
+        torch.ops.hf_eagle31_rows.linear(x, [torch.randn(4, 8).bfloat16()], None)
+    with pytest.raises(RuntimeError, match="a bias of 4 features"):
+        torch.ops.hf_eagle31_rows.linear(x, [torch.randn(4, 8)], torch.randn(5))
 
 
 FIRST_CALL = textwrap.dedent("""
@@ -57,20 +73,66 @@ FIRST_CALL = textwrap.dedent("""
 """)
 
 
-def first_call(environment: dict, timeout: float = 240) -> subprocess.CompletedProcess:
-    """A fresh process's first EAGLE call in fp32 (the one that builds or loads the kernel)."""
+def first_call(environment: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A fresh process's first EAGLE call in fp32 (the one that builds or loads the kernel), its fp32 routes kept
+    already (torch's at every row count) so that it times nothing."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in environment.items():
+            patch.setenv(name, value)
+        folder = rows.build_directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / f"routes-float32-{torch.get_num_threads()}threads.json"
+    if not kept.exists():
+        kept.write_text(json.dumps({"routes": ["torch"] * MAX_ROWS}))
     return subprocess.run([sys.executable, "-c", FIRST_CALL, os.path.dirname(__file__)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **environment})
 
 
 @needs_kernel
-def test_a_build_killed_halfway_does_not_hang_the_next_process():
+def test_a_build_killed_halfway_does_not_hang_the_next_process(tmp_path, monkeypatch):
     """A process killed while torch built the kernel left torch's lock file in the build folder, and every later
-    process's first fp32 EAGLE call waited on it forever."""
-    (rows.build_directory() / "lock").write_text("")  # what the killed build leaves
-    done = first_call({})
+    process's first fp32 EAGLE call waited on it forever; one killed while it linked left half a library."""
+    monkeypatch.setenv("HF_EAGLE31_CACHE", str(tmp_path))
+    folder = rows.build_directory()  # where the process below builds
+    (folder / "build").mkdir(parents=True)
+    (folder / "build" / "lock").write_text("")  # what the killed build leaves
+    (folder / "build" / rows.LIBRARY).write_bytes(b"half a library")
+    done = first_call({"HF_EAGLE31_CACHE": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kernel True equal True" in done.stdout
+
+
+LOADS_WITHOUT_BUILDING = textwrap.dedent("""
+    from torch.utils import cpp_extension
+    def refused(*args, **kwargs):
+        raise AssertionError("torch's builder called")
+    cpp_extension.load = refused
+    from hf_eagle31.backends.cpu.rows import rows_kernel
+    print("kernel", rows_kernel())
+""")
+
+
+@needs_kernel
+def test_a_later_process_loads_the_built_library_without_torchs_builder():
+    """torch's builder, called by each process, rebuilt the kernel whenever its command line changed: another
+    virtual environment's include paths, another checkout's source path, another `$CXX`."""
+    done = subprocess.run([sys.executable, "-c", LOADS_WITHOUT_BUILDING], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kernel True" in done.stdout and "did not build" not in done.stderr
+
+
+def test_the_build_is_keyed_by_source_compiler_torch_and_cpu_not_by_environment(monkeypatch):
+    key = rows.build_key()
+    monkeypatch.setattr(sys, "prefix", "/another/environment")
+    monkeypatch.setattr(sys, "executable", "/another/environment/bin/python")
+    assert rows.build_key() == key
+    changes = [(rows, "_compiler", lambda: "clang++"), (rows, "_cpu", lambda: "another CPU"),
+               (torch, "__version__", "0.0.1"), (rows, "_flags", lambda: ["-O2"]),
+               (rows.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "c++ 99.1", ""))]
+    for owner, name, value in changes:
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, value)
+            assert rows.build_key() != key, name
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the kernel builds on AVX-512 only")
@@ -79,7 +141,7 @@ def test_a_compiler_that_fails_falls_back_with_one_warning(tmp_path):
     done = first_call({"CXX": "false", "HF_EAGLE31_CACHE": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kernel False equal True" in done.stdout
-    assert done.stderr.count("the fp32 rows kernel did not build") == 1
+    assert done.stderr.count("the rows kernel did not build") == 1
 
 
 def test_a_kernel_that_cannot_build_is_named_in_the_warning(monkeypatch, tmp_path):
@@ -89,8 +151,8 @@ def test_a_kernel_that_cannot_build_is_named_in_the_warning(monkeypatch, tmp_pat
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpp_extension, "load", no_ninja)
-    with pytest.warns(UserWarning, match="rows kernel did not build .*Ninja is required.*oneDNN's packed layout"):
-        assert rows._build(tmp_path) is False
+    with pytest.warns(UserWarning, match="rows kernel did not build .*Ninja is required.*torch's and oneDNN's"):
+        assert rows._load(tmp_path) is False
 
 
 def test_a_thread_asking_while_another_builds_computes_without_it(monkeypatch):

@@ -3,10 +3,10 @@
 Why: a verify forward multiplies a few rows (the draft tokens) by every weight of the target, and a
 draft level the drafter's. On a CPU torch sends an fp32 product of 2-16 rows to MKL's small-M GEMM,
 which costs 1.3-1.9 one-row steps although a step is bound by streaming the weights from memory.
-Two ways stream them at the memory's rate: the rows kernel on the weights as they are (fp32 on an
-AVX-512 CPU, rows.py: nothing to copy), and oneDNN's inner product over a copy of the weights
-reordered into its blocked layout (bf16, and fp32 elsewhere: a second copy of every linear weight
-for as long as the products are held, one `generate` call or a `packed_weights` block).
+Two ways stream them at the memory's rate: the rows kernel on the weights as they are (on an AVX-512
+CPU, rows.py: nothing to copy), and oneDNN's inner product over a copy of the weights reordered into
+its blocked layout (a second copy of every linear weight for as long as the products are held, one
+`generate` call or a `packed_weights` block). Which serves which row count is measured (routes.py).
 Linear layers of one module that read the same input (q/k/v, gate/up) are one product: each
 oneDNN product has a fixed cost beside its bytes (2.5 ms of a 39 ms fp32 verify forward of SmolLM2).
 
@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from transformers.utils import output_capturing
 
 from hf_eagle31.backends import fast_bf16
-from hf_eagle31.backends.cpu.rows import rows_kernel, rows_linear
+from hf_eagle31.backends.cpu import routes
 from hf_eagle31.interrupts import Held
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -44,11 +44,9 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a modul
 
 
 def rows_layout(dtype: torch.dtype) -> bool:
-    """Whether `dtype` products run on the rows kernel over the weights as they are (fp32 where it builds), rather
-    than on oneDNN's reordered copy. Why: 2-16 rows at ~1.1-1.5 one-row products where oneDNN's take ~1.3-1.9 on a
-    2-core Xeon, and no copy to make (0.26 s of each SmolLM2 call in fp32). bf16 stays with oneDNN, whose bf16
-    products run on AMX or AVX-512 BF16."""
-    return dtype == torch.float32 and rows_kernel()
+    """Whether `dtype` products run on the weights as they are (the rows kernel, or torch's product), with no
+    oneDNN copy to make: where no row count is measured fastest on oneDNN's (routes.py)."""
+    return not routes.copies(dtype)
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -88,7 +86,7 @@ class Product:
     The first member asked for with an input computes every member's output; the others, asked with the same
     input, take theirs (transformers' forward asks for them one at a time)."""
 
-    weight: torch.Tensor | None  # the members' weights stacked, reordered for oneDNN; None: the rows kernel
+    weight: torch.Tensor | None  # the members' weights stacked, reordered for oneDNN; None: not needed
     bias: torch.Tensor | None  # the members' biases stacked
     sizes: list[int]  # each member's output features
     key: int  # the first member's `product_key`
@@ -122,9 +120,7 @@ class Product:
         """Every member's output, side by side in the last dimension: the one product."""
         if torch.compiler.is_compiling():
             return packed_product(self.key, x, sum(self.sizes))
-        if self.weight is None:
-            return rows_linear(x, self.members, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return routes.linear(x, self.members, self.bias, self.weight)
 
     def product(self, x: torch.Tensor, member: int) -> torch.Tensor:
         """One member's output; the first asked computes all (a call in another thread meanwhile may replace
@@ -359,17 +355,17 @@ def products_for(model: nn.Module) -> Products:
 
 def packed_weights(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
     """Hold the model's products for the block, so that the EAGLE calls inside do not each make their own. Each
-    EAGLE `generate` call otherwise makes them for itself (about 0.15-0.2 s for SmolLM2-135M in bf16 on 2 cores;
-    nothing in fp32 on AVX-512, whose rows kernel reads the weights as they are); a serving loop pays that once:
+    EAGLE `generate` call otherwise makes them for itself (oneDNN's copies: about 0.15-0.2 s for SmolLM2-135M in bf16
+    on 2 cores; nothing where the rows kernel reads the weights as they are); a serving loop pays that once:
 
         with packed_weights(target), packed_weights(drafter):
             for prompt in prompts:
                 target.generate(prompt, assistant_model=drafter)
 
     The model itself is not changed: inside, it saves, copies, moves and trains as outside, and plain calls run
-    as they would. Memory: a second copy of its linear weights where they are reordered for oneDNN (bf16; fp32
-    without AVX-512), none on the rows kernel. A weight changed inside, by any path, makes the next call make
-    them again (each call compares them with the weights: one pass over the copied ones)."""
+    as they would. Memory: a second copy of its linear weights where they are reordered for oneDNN (`rows_layout`),
+    none on the rows kernel. A weight changed inside, by any path, makes the next call make them again (each call
+    compares them with the weights: one pass over the copied ones)."""
     if not (enabled and can_pack(model)):
         return contextlib.nullcontext()
     held = _held(model)

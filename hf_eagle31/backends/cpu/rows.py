@@ -1,17 +1,22 @@
-"""fp32 products of a few rows on a linear layer's own weights, built once per machine (rows_linear.cpp).
+"""Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16), built once
+per machine and compiler (rows_linear.cpp).
 
-Why: on a CPU a verify forward multiplies 2-16 rows by every weight of the target, and a step is bound by
-streaming the weights. torch's fp32 path (MKL) costs ~2 one-row products for 8 rows and oneDNN's packed
-weights ~1.5 on a 2-core Xeon, since both compute the rows while the memory waits; this kernel reads each
-weight once for up to 16 rows and prefetches the next into L2 while it multiplies (~1.0 one-row products for 2
-rows, ~1.2 for 8), on the weights as they are: nothing to pack, no second copy.
+Why: on a CPU a decoding step multiplies 1 row, and a verify forward 2-16 rows, by every weight of the target, so a
+step is bound by streaming the weights. torch's fp32 path (MKL) and oneDNN's reordered copies compute the rows while
+the memory waits, or stream slowly (MKL's one-row GEMV on AMD CPUs); this kernel reads each weight once for up to 16
+rows and prefetches the next into L2 while it multiplies, on the weights as they are: nothing to pack, no second copy.
+Which of them serves which row count is measured on the machine (routes.py), not assumed.
 
-It is compiled with torch's C++ extension builder (a C++ compiler and ninja) on a CPU with AVX-512, the first
-time a process on the machine asks for it (~20 s, announced), into a folder of this package's own under a lock
-the operating system releases when its holder dies: a build killed halfway leaves nothing that blocks the next
-one (torch's own lock file, which it would wait on forever, is cleared under that lock). A thread that asks while
-another builds computes without the kernel meanwhile; a failure to build (no compiler, one that fails) falls back
-to oneDNN's packed layout with one warning. Elsewhere `rows_kernel()` is False.
+It is compiled with torch's C++ extension builder (a C++ compiler and ninja) on a CPU with AVX-512, the first time
+a process on the machine asks for it (announced), into a folder keyed by everything the library depends on (its
+source and flags, the compiler and its version, torch's version, the CPU: `build_key`), under a lock the operating
+system releases when its holder dies. Later processes, from any virtual environment with the same torch and
+compiler, load the finished library directly: torch's builder, called again, rebuilds whenever its command line
+changes (another environment's include paths, another checkout's source path). A build killed halfway leaves no
+library (it is moved into place whole), and torch's own lock file, which it would wait on forever, is cleared under
+that lock. A thread that asks while another builds computes without the kernel meanwhile; a failure to build (no
+compiler, one that fails) falls back to torch's and oneDNN's products with one warning. Elsewhere `rows_kernel()`
+is False.
 """
 
 from __future__ import annotations
@@ -21,18 +26,18 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
-import sys
+import subprocess
 import threading
 import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-MAX_ROWS = 16  # more rows (a prompt's prefill) go to torch's GEMM, which wins once the weights are reused enough;
-# from 24 rows torch's is as fast; one row goes to MKL's GEMV, a little faster than the kernel's
+MAX_ROWS = 16  # the row counts measured (routes.py): verify blocks; more rows (a prefill) go to torch's GEMM
 SOURCE = Path(__file__).with_name("rows_linear.cpp")
+LIBRARY = "hf_eagle31_rows.so"
 
 logger = logging.getLogger(__name__)
 _LOADED: list[bool] = []  # [True] once loaded, [False] where it cannot be; empty until tried
@@ -44,55 +49,101 @@ def rows_kernel() -> bool:
     while another thread of this process builds it (that call computes without it, rather than wait)."""
     if _LOADED:
         return _LOADED[0]
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or shutil.which(os.environ.get("CXX", "c++")) is None:
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or shutil.which(_compiler()) is None:
         _LOADED.append(False)
         return False
     if not _BUILDING.acquire(blocking=False):
         return False
     try:
         if not _LOADED:
-            _LOADED.append(_build(build_directory()))
+            _LOADED.append(_load(build_directory()))
     finally:
         _BUILDING.release()
     return _LOADED[0]
 
 
+def kernel_decided() -> bool:
+    """Whether `rows_kernel()` has its answer (False only while another thread of this process builds)."""
+    return bool(_LOADED)
+
+
+def bf16_kernel() -> bool:
+    """Whether the loaded kernel multiplies bf16 too (built where the CPU has AVX512-BF16)."""
+    return rows_kernel() and torch.ops.hf_eagle31_rows.bf16()
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _flags() -> list[str]:
+    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", *(["-mavx512bf16"] if bf16 else []), "-fopenmp"]
+
+
+def _cpu() -> str:
+    """The CPU's model and instruction sets (Linux), else what the platform names."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        return "\n".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """A digest of everything the built library depends on: its source and flags, the compiler (`$CXX`, its path
+    and version), torch's version and the CPU. Not the Python version nor the environment: the library includes no
+    Python header, and every environment with the same torch loads the same one."""
+    compiler = shutil.which(_compiler()) or _compiler()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    parts = [hashlib.sha256(SOURCE.read_bytes()).hexdigest(), " ".join(_flags()), compiler, version,
+             torch.__version__, str(torch.version.git_version), _cpu()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
 def build_directory() -> Path:
-    """Where the kernel is built: per source, torch and Python, under `HF_EAGLE31_CACHE` (~/.cache/hf_eagle31)."""
+    """Where the kernel is built, and its measured routes kept: per `build_key`, under `HF_EAGLE31_CACHE`
+    (~/.cache/hf_eagle31)."""
     root = Path(os.environ.get("HF_EAGLE31_CACHE", Path.home() / ".cache" / "hf_eagle31"))
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    python = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    return root / f"rows-{digest}-torch{torch.__version__.replace('+', '_')}-{python}"
+    return root / f"rows-{build_key()}"
 
 
-def _build(folder: Path) -> bool:
+def _load(folder: Path) -> bool:
+    """Load the library built in `folder`, building it first (once, under a lock) where it is not there yet."""
+    library = folder / LIBRARY
+    try:
+        if not library.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "build.lock", "w") as lock:
+                logger.warning("hf_eagle31: building the rows kernel for this CPU and compiler in %s (once, about "
+                               "20 s)", folder)
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another process building: wait for it; released if it dies
+                if not library.exists():
+                    _build(folder)
+                    return True  # torch's builder loaded what it built
+        torch.ops.load_library(str(library))
+    except Exception as error:  # no ninja, a compiler that fails, an unwritable cache: torch's and oneDNN's products
+        warnings.warn(f"hf_eagle31: the rows kernel did not build ({type(error).__name__}: {error}); products use "
+                      "torch's and oneDNN's implementations instead", stacklevel=3)
+        return False
+    return True
+
+
+def _build(folder: Path) -> None:
+    """Build (and load) the library in a scratch folder, then move it into place whole."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is not None:  # pip's ninja, off PATH
         import ninja                                                      # when the venv is not activated
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "build.lock", "w") as lock:
-            if not (folder / "hf_eagle31_rows.so").exists():
-                logger.warning("hf_eagle31: building the fp32 rows kernel for this CPU in %s (once per machine, "
-                               "about 20 s)", folder)
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process building: wait for it; released if it dies
-            (folder / "lock").unlink(missing_ok=True)  # torch's own lock, left by a build that was killed
-            cpp_extension.load("hf_eagle31_rows", [str(SOURCE)], is_python_module=False, build_directory=str(folder),
-                               extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as error:  # no ninja, a compiler that fails, an unwritable cache: oneDNN's layout instead
-        warnings.warn(f"hf_eagle31: the fp32 rows kernel did not build ({type(error).__name__}: {error}); fp32 "
-                      "products use oneDNN's packed layout instead", stacklevel=3)
-        return False
-    return True
-
-
-def rows_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> torch.Tensor:
-    """`x` times each of `weights` (fp32, `[N_i, K]`), the outputs side by side, plus `bias`: the kernel for 2 to
-    `MAX_ROWS` rows, torch's for others."""
-    if not 1 < x.numel() // x.shape[-1] <= MAX_ROWS:
-        out = torch.cat([F.linear(x, weight) for weight in weights], dim=-1)
-        return out if bias is None else out + bias
-    return torch.ops.hf_eagle31_rows.linear(x, weights, bias)
+    scratch = folder / "build"
+    scratch.mkdir(exist_ok=True)
+    (scratch / "lock").unlink(missing_ok=True)  # torch's own lock, left by a build that was killed
+    cpp_extension.load("hf_eagle31_rows", [str(SOURCE)], is_python_module=False, build_directory=str(scratch),
+                       extra_cflags=_flags(), extra_ldflags=["-fopenmp"])
+    shutil.copyfile(scratch / LIBRARY, folder / f"{LIBRARY}.partial")
+    os.replace(folder / f"{LIBRARY}.partial", folder / LIBRARY)

@@ -1,113 +1,180 @@
-// A few rows times a linear layer's own fp32 weights, at the rate the weights stream from memory (AVX-512).
+// A few rows times a linear layer's own weights (fp32, or bf16 on a CPU with AVX512-BF16), at the rate the
+// weights stream from memory (AVX-512).
 //
-// out[m, n] = x[m, :] . w[n, :]: each step loads 16 floats of 1-3 weight rows once and multiplies them into
-// up to 16 input rows held in L1, so a weight is read from memory once for up to 16 rows (more re-read a
-// block from L1). Rows further on are prefetched into L2 while these compute: the hardware prefetcher alone
-// leaves the memory idle during the multiplications (8 rows cost ~1.9 one-row products without, ~1.2 with).
-// Into L2, not L1, and 16 rows ahead: prefetched weights then do not evict the input rows from L1 (48 rows
-// ahead into L1 cost 2 / 5 / 8 / 16 rows 1.2 / 1.3 / 1.35 / 1.7 one-row products of SmolLM2's weights on a 2-core
-// Xeon, 16 ahead into L2 1.0 / 1.05 / 1.2 / 1.6).
-#include <torch/extension.h>
+// out[m, n] = x[m, :] . w[n, :]: each step loads one vector of W weight rows once and multiplies it into up to 8
+// input rows held in registers' reach, so a weight is read from memory once for every row. 9-16 rows are two
+// groups of up to 8 over the same W weight rows, the second reading them again from L1: one group of 16 rows
+// against one weight row loaded 17 vectors for 16 multiply-adds, and its input rows (16 x K floats) did not fit
+// L1, so it ran far below the memory's rate. Rows further on are prefetched into L2 while these compute: the
+// hardware prefetcher alone leaves the memory idle during the multiplications. Into L2, not L1, and 16 rows
+// ahead: prefetched weights then do not evict the input rows from L1.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <immintrin.h>
 
 namespace {
 
-constexpr int C = 6;         // weight rows a block: 3, 2 or 1 at a time against 8, 12 or 16 input rows (24 accumulators)
-constexpr int AHEAD = 16;    // weight rows prefetched (into L2) ahead of those multiplied
+constexpr int C = 12;      // weight rows a parallel block: a multiple of every W below
+constexpr int AHEAD = 16;  // weight rows prefetched (into L2) ahead of those multiplied
 
-template <int R, int W, bool TAIL>
-inline void step(const float* x, int64_t K, const float* w, int64_t k, __mmask16 mask, __m512 (&acc)[R][W]) {
-  __m512 wv[W];
-#pragma GCC unroll 3
+// One element type's vectors: how many elements a 512-bit load holds, and the multiply-add into 16 fp32 sums.
+struct F32 {
+  using T = float;
+  using V = __m512;
+  static constexpr int LANES = 16;
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static V load_tail(const T* p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+  static __m512 fma(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+#ifdef __AVX512BF16__
+struct BF16 {  // pairs of bf16 products summed into each fp32 lane (vdpbf16ps)
+  using T = at::BFloat16;
+  using V = __m512i;
+  static constexpr int LANES = 32;
+  static V load(const T* p) { return _mm512_loadu_si512(p); }
+  static V load_tail(const T* p, int64_t n) { return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), p); }
+  static __m512 fma(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+};
+#endif
+
+template <class E, int R, int W, bool TAIL, bool PREFETCH>
+inline void step(const typename E::T* x, int64_t K, const typename E::T* w, int64_t k, int64_t tail,
+                 __m512 (&acc)[R][W]) {
+  typename E::V wv[W];
+#pragma GCC unroll 4
   for (int c = 0; c < W; ++c) {
-    wv[c] = TAIL ? _mm512_maskz_loadu_ps(mask, w + c * K + k) : _mm512_loadu_ps(w + c * K + k);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (c + AHEAD) * K + k), _MM_HINT_T1);
+    wv[c] = TAIL ? E::load_tail(w + c * K + k, tail) : E::load(w + c * K + k);
+    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + (c + AHEAD) * K + k), _MM_HINT_T1);
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m512 xv = TAIL ? _mm512_maskz_loadu_ps(mask, x + r * K + k) : _mm512_loadu_ps(x + r * K + k);
-#pragma GCC unroll 3
-    for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    const typename E::V xv = TAIL ? E::load_tail(x + r * K + k, tail) : E::load(x + r * K + k);
+#pragma GCC unroll 4
+    for (int c = 0; c < W; ++c) acc[r][c] = E::fma(acc[r][c], xv, wv[c]);
   }
 }
 
-template <int R, int W>
-inline void block(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
+// R input rows against W weight rows over all K: out[r, c] = sum + bias[c], rounded once to the output's type.
+template <class E, int R, int W, bool PREFETCH, class O>
+inline void block(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, O* out,
+                  int64_t ldo) {
   __m512 acc[R][W];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
+#pragma GCC unroll 4
     for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) step<R, W, false>(x, K, w, k, 0, acc);
-  if (k < K) step<R, W, true>(x, K, w, k, (__mmask16)((1u << (K - k)) - 1), acc);
-#pragma GCC unroll 16
+  for (; k + E::LANES <= K; k += E::LANES) step<E, R, W, false, PREFETCH>(x, K, w, k, 0, acc);
+  if (k < K) step<E, R, W, true, PREFETCH>(x, K, w, k, K - k, acc);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int c = 0; c < W; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+#pragma GCC unroll 4
+    for (int c = 0; c < W; ++c)
+      out[r * ldo + c] = static_cast<O>(_mm512_reduce_add_ps(acc[r][c]) + (bias ? bias[c] : 0.f));
 }
 
-template <int R>
-void rows_of(const float* x, int64_t K, const float* w, int64_t n, float* out, int64_t ldo) {
-  constexpr int W = R <= 8 ? 3 : R <= 12 ? 2 : 1;
+// `n` weight rows against R <= 8 input rows (A), or against A and then B more, W weight rows at a time: the second
+// group reads the same W rows again, from L1.
+template <class E, int A, int B, class O>
+void rows_of(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
+             int64_t ldo) {
+  constexpr int W = A + B <= 6 ? 4 : 3;
   int64_t row = 0;
-  for (; row + W <= n; row += W) block<R, W>(x, K, w + row * K, out + row, ldo);
-  for (; row < n; ++row) block<R, 1>(x, K, w + row * K, out + row, ldo);
+  for (; row + W <= n; row += W) {
+    block<E, A, W, true>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
+    if constexpr (B > 0)
+      block<E, B, W, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
+  }
+  for (; row < n; ++row) {
+    block<E, A, 1, true>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
+    if constexpr (B > 0)
+      block<E, B, 1, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
+  }
 }
 
-// `n` weight rows against every input row, 16 input rows at a time.
-void rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n, float* out, int64_t ldo) {
+// `n` weight rows against every input row, 16 input rows at a time (more rows read the weights again).
+template <class E, class O>
+void rows(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
+          int64_t ldo) {
   for (int64_t m = 0; m < M; m += 16) {
-    const float* xm = x + m * K;
-    float* om = out + m * ldo;
+    const typename E::T* xm = x + m * K;
+    O* om = out + m * ldo;
     switch (std::min<int64_t>(16, M - m)) {
-      case 1: rows_of<1>(xm, K, w, n, om, ldo); break;
-      case 2: rows_of<2>(xm, K, w, n, om, ldo); break;
-      case 3: rows_of<3>(xm, K, w, n, om, ldo); break;
-      case 4: rows_of<4>(xm, K, w, n, om, ldo); break;
-      case 5: rows_of<5>(xm, K, w, n, om, ldo); break;
-      case 6: rows_of<6>(xm, K, w, n, om, ldo); break;
-      case 7: rows_of<7>(xm, K, w, n, om, ldo); break;
-      case 8: rows_of<8>(xm, K, w, n, om, ldo); break;
-      case 9: rows_of<9>(xm, K, w, n, om, ldo); break;
-      case 10: rows_of<10>(xm, K, w, n, om, ldo); break;
-      case 11: rows_of<11>(xm, K, w, n, om, ldo); break;
-      case 12: rows_of<12>(xm, K, w, n, om, ldo); break;
-      case 13: rows_of<13>(xm, K, w, n, om, ldo); break;
-      case 14: rows_of<14>(xm, K, w, n, om, ldo); break;
-      case 15: rows_of<15>(xm, K, w, n, om, ldo); break;
-      default: rows_of<16>(xm, K, w, n, om, ldo); break;
+      case 1: rows_of<E, 1, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 2: rows_of<E, 2, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 3: rows_of<E, 3, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 4: rows_of<E, 4, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 5: rows_of<E, 5, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 6: rows_of<E, 6, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 7: rows_of<E, 7, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 8: rows_of<E, 8, 0>(xm, K, w, bias, n, om, ldo); break;
+      case 9: rows_of<E, 5, 4>(xm, K, w, bias, n, om, ldo); break;
+      case 10: rows_of<E, 5, 5>(xm, K, w, bias, n, om, ldo); break;
+      case 11: rows_of<E, 6, 5>(xm, K, w, bias, n, om, ldo); break;
+      case 12: rows_of<E, 6, 6>(xm, K, w, bias, n, om, ldo); break;
+      case 13: rows_of<E, 7, 6>(xm, K, w, bias, n, om, ldo); break;
+      case 14: rows_of<E, 7, 7>(xm, K, w, bias, n, om, ldo); break;
+      case 15: rows_of<E, 8, 7>(xm, K, w, bias, n, om, ldo); break;
+      default: rows_of<E, 8, 8>(xm, K, w, bias, n, om, ldo); break;
     }
   }
 }
 
+template <class E>
+void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out) {
+  using T = typename E::T;
+  using O = typename E::T;  // the output in the input's type, as torch's product gives it
+  const int64_t M = x2.size(0), K = x2.size(1), N = out.size(1);
+  const T* xp = x2.data_ptr<T>();
+  O* op = out.data_ptr<O>();
+  int64_t column = 0;
+  for (const auto& w : weights) {
+    const T* wp = w.data_ptr<T>();
+    const int64_t n = w.size(0), blocks = n / C;
+    const float* bc = bias ? bias + column : nullptr;
+    O* oc = op + column;
+    at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
+      rows<E>(xp, M, K, wp + begin * C * K, bc ? bc + begin * C : nullptr, (end - begin) * C, oc + begin * C, N);
+    });
+    rows<E>(xp, M, K, wp + blocks * C * K, bc ? bc + blocks * C : nullptr, n - blocks * C, oc + blocks * C, N);
+    column += n;
+  }
+}
+
+bool bf16_kernel() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x [..., K] times each weight [N_i, K], side by side in the output's last dimension, plus bias [sum N_i].
 at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "rows_linear: fp32 input expected, got ", x.scalar_type());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && bf16_kernel()), "rows_linear: fp32 input expected",
+              bf16_kernel() ? " (or bf16)" : "", ", got ", dtype);
   const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = x2.size(0), K = x2.size(1);
   int64_t N = 0;
   for (const auto& w : weights) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
-                "rows_linear: contiguous fp32 weights of ", K, " input features expected");
+    TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
+                "rows_linear: contiguous ", dtype, " weights of ", K, " input features expected");
     N += w.size(0);
   }
-  at::Tensor out = at::empty({M, N}, x2.options());
-  const float* xp = x2.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  int64_t column = 0;
-  for (const auto& w : weights) {
-    const float* wp = w.data_ptr<float>();
-    const int64_t n = w.size(0), blocks = n / C;
-    float* oc = op + column;
-    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-      rows(xp, M, K, wp + begin * C * K, (end - begin) * C, oc + begin * C, N);
-    });
-    rows(xp, M, K, wp + blocks * C * K, n - blocks * C, oc + blocks * C, N);
-    column += n;
+  at::Tensor b;  // fp32: added before the one rounding of each output
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "rows_linear: a bias of ", N, " features expected");
+    b = bias->to(at::kFloat).contiguous();
   }
-  if (bias.has_value()) out.add_(*bias);
+  at::Tensor out = at::empty({M, N}, x2.options());
+  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat) linear_into<F32>(x2, weights, bp, out);
+#ifdef __AVX512BF16__
+  else linear_into<BF16>(x2, weights, bp, out);
+#endif
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
   return out.view(shape);
@@ -118,4 +185,5 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
 TORCH_LIBRARY(hf_eagle31_rows, m) {
   m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(rows_linear));
+  m.def("bf16() -> bool", [] { return bf16_kernel(); });
 }

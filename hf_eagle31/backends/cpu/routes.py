@@ -1,0 +1,186 @@
+"""Which implementation multiplies how many rows: measured on this machine once, kept beside the kernel build.
+
+Why: which of the rows kernel (rows.py), torch's product (MKL) and oneDNN's product over its reordered copy of the
+weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at
+a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. The first
+process that needs a dtype's routes times every implementation at every row count on a stream of weights larger
+than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
+build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
+read it. Delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hf_eagle31.backends.cpu import rows
+from hf_eagle31.backends.cpu.rows import MAX_ROWS
+
+IMPLEMENTATIONS = ("rows", "torch", "onednn")  # the kernel; F.linear; oneDNN's product over its reordered copy
+REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
+SHAPES = ((2816, 1024), (1024, 2816))  # [out, in]: a decoder's up and down projections, in turn
+
+logger = logging.getLogger(__name__)
+_ROUTES: dict[tuple[torch.dtype, int], tuple[str, ...]] = {}  # (dtype, threads) -> implementation of 1..MAX_ROWS rows
+_MEASURING = threading.Lock()
+
+
+def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` times each of `weights` (`[N_i, K]`), the outputs side by side, plus `bias`, by the implementation
+    measured fastest for its row count; more than `MAX_ROWS` rows by oneDNN's copy where there is one (`packed`,
+    the weights stacked and reordered), else torch's."""
+    count = x.numel() // x.shape[-1]
+    how = routes(x.dtype)[count - 1] if 0 < count <= MAX_ROWS else "onednn"
+    if how == "rows":
+        return torch.ops.hf_eagle31_rows.linear(x, weights, bias)
+    if how == "onednn" and packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    out = torch.cat([F.linear(x, weight) for weight in weights], dim=-1)
+    return out if bias is None else out + bias
+
+
+def copies(dtype: torch.dtype) -> bool:
+    """Whether products in `dtype` need oneDNN's reordered copy of the weights: some row count is fastest on it."""
+    return "onednn" in routes(dtype)
+
+
+def routes(dtype: torch.dtype) -> tuple[str, ...]:
+    """The implementation of 1, 2, ... `MAX_ROWS` rows in `dtype` at this thread count: read from the build folder,
+    or measured there (once a machine). While another thread of this process builds the kernel: torch's, not kept."""
+    key = (dtype, torch.get_num_threads())
+    found = _ROUTES.get(key)
+    if found is not None:
+        return found
+    candidates = available(dtype)
+    if not rows.kernel_decided():
+        return ("torch",) * MAX_ROWS
+    if len(candidates) == 1:
+        found = candidates * MAX_ROWS
+    else:
+        with _MEASURING:
+            found = _ROUTES.get(key) or _kept_or_measured(dtype, candidates)
+    _ROUTES[key] = found
+    return found
+
+
+def available(dtype: torch.dtype) -> tuple[str, ...]:
+    """The implementations that can multiply `dtype` here."""
+    kernel = rows.rows_kernel() and (dtype == torch.float32 or (dtype == torch.bfloat16 and rows.bf16_kernel()))
+    onednn = torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return tuple(name for name, usable in zip(IMPLEMENTATIONS, (kernel, True, onednn)) if usable)
+
+
+def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[str, ...]:
+    """The routes kept in the build folder for this dtype and thread count, else measured and kept (under the
+    folder's lock: another process measuring at the same time would slow both, and measure twice)."""
+    folder = rows.build_directory()
+    path = folder / f"routes-{str(dtype).removeprefix('torch.')}-{torch.get_num_threads()}threads.json"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            kept = _read(path, candidates)
+            if kept is not None:
+                return kept
+            logger.warning("hf_eagle31: timing the %s products of 1-%d rows on this CPU (once, a few seconds)",
+                           str(dtype).removeprefix("torch."), MAX_ROWS)
+            seconds = measure(dtype, candidates)
+            chosen = choose(seconds)
+            _write(path, {"routes": list(chosen), "seconds": seconds})
+            return chosen
+    except OSError:  # an unwritable cache: measured, not kept
+        return choose(measure(dtype, candidates))
+
+
+def _read(path: Path, candidates: tuple[str, ...]) -> tuple[str, ...] | None:
+    try:
+        chosen = tuple(json.loads(path.read_text())["routes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return chosen if len(chosen) == MAX_ROWS and set(chosen) <= set(candidates) else None
+
+
+def _write(path: Path, record: dict) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)
+
+
+def choose(seconds: dict[str, list[float]]) -> tuple[str, ...]:
+    """The fastest implementation at each row count, from `measure`'s seconds; oneDNN's only where its copy pays.
+
+    Why the condition: oneDNN's product needs a reordered copy of every weight, made for each call (or held by
+    `packed_weights`) whichever row counts use it, so a row count or two where it is measured a little faster (or
+    where other work slowed the others down) would cost every call that copy. It is a route only where it is
+    faster than the copy-free implementations over all row counts together."""
+    plain = [name for name in seconds if name != "onednn"]
+    best_plain = [min(seconds[name][index] for name in plain) for index in range(MAX_ROWS)] if plain else None
+    if best_plain is not None and sum(seconds.get("onednn", [math.inf])) >= sum(best_plain):
+        seconds = {name: seconds[name] for name in plain}
+    return tuple(min(seconds, key=lambda name: seconds[name][index]) for index in range(MAX_ROWS))
+
+
+@torch.no_grad()
+def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> dict[str, list[float]]:
+    """Seconds each candidate takes to multiply 1..`MAX_ROWS` rows by a stream of weights (`workload`): each
+    product the fastest of `REPEATS` passes over every row count, so that other work on the machine, which slows
+    whatever runs meanwhile, would have to last the whole measurement to count; each weight streamed from memory
+    (the candidates take turns over the whole stream, longer than the cache)."""
+    weights = workload(dtype)
+    inputs = [{weight.shape[1]: torch.randn(count, weight.shape[1]).to(dtype) for weight, _ in weights}
+              for count in range(1, MAX_ROWS + 1)]
+    best = {name: [[math.inf] * len(weights) for _ in range(MAX_ROWS)] for name in candidates}
+    for _ in range(REPEATS):
+        for index in range(MAX_ROWS):
+            for name in candidates:
+                for slot, (weight, packed) in enumerate(weights):
+                    taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
+                    best[name][index][slot] = min(best[name][index][slot], taken)
+    return {name: [sum(products) for products in best[name]] for name in candidates}
+
+
+def workload(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Weights in `dtype` (with oneDNN's copies where it runs) of twice the last-level cache, at least 64 MiB: a
+    product then streams its weights from memory, as in a model's step."""
+    onednn = "onednn" in available(dtype)
+    total, weights = 0, []
+    while total < max(2 * _last_level_cache(), 64 << 20):
+        weight = torch.randn(SHAPES[len(weights) % len(SHAPES)]).to(dtype)
+        weights.append((weight, torch.ops.mkldnn._reorder_linear_weight(weight, 8) if onednn else None))
+        total += weight.numel() * weight.element_size()
+    return weights
+
+
+def _last_level_cache() -> int:
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+    return max(sizes) or 32 << 20
+
+
+def _time(name: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> float:
+    """Seconds `name` takes to multiply `x` by `weight` (`packed`: oneDNN's copy of it)."""
+    begun = time.perf_counter()
+    if name == "rows":
+        torch.ops.hf_eagle31_rows.linear(x, [weight], None)
+    elif name == "onednn":
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    else:
+        F.linear(x, weight)
+    return time.perf_counter() - begun

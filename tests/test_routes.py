@@ -1,0 +1,119 @@
+"""Which implementation multiplies how many rows (hf_eagle31/backends/cpu/routes.py): measured, kept beside the kernel
+build, and whichever each row count got, decoding equals plain `generate`."""
+
+import pytest
+import torch
+from tiny_models import PROMPTS, make_target, trained_pair
+
+import hf_eagle31
+from hf_eagle31.backends.cpu import products as cpu_products
+from hf_eagle31.backends.cpu import routes
+from hf_eagle31.backends.cpu.products import Products, can_pack
+from hf_eagle31.backends.cpu.rows import MAX_ROWS, rows_kernel
+
+pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="the CPU backend needs a CPU build with mkldnn")
+
+
+def fake_timer(fast: dict[int, str]):
+    """A timer under which `fast[rows]` (else "torch") takes 1 s a product and every other implementation 2 s."""
+    def timed(name, x, weight, packed):
+        return 1.0 if name == fast.get(x.shape[0], "torch") else 2.0
+
+    return timed
+
+
+@pytest.fixture
+def small_stream(monkeypatch, tmp_path):
+    """A fresh cache folder, no routes in memory, and a small stream of weights to time."""
+    monkeypatch.setenv("HF_EAGLE31_CACHE", str(tmp_path))
+    monkeypatch.setattr(routes, "_ROUTES", {})
+    monkeypatch.setattr(routes, "workload", lambda dtype: [(torch.randn(8, 4), None), (torch.randn(4, 8), None)])
+    monkeypatch.setattr(routes, "available", lambda dtype: ("rows", "torch"))
+    monkeypatch.setattr(routes.rows, "kernel_decided", lambda: True)
+
+
+def test_the_faster_of_two_timings_serves_each_row_count(monkeypatch, small_stream):
+    """One row went to MKL's product on every CPU, a constant tuned on a Xeon: on an AMD EPYC that product streams
+    the weights far below the memory's rate."""
+    monkeypatch.setattr(routes, "_time", fake_timer({1: "rows", 5: "rows"}))
+    chosen = routes.routes(torch.float32)
+    assert chosen == ("rows", "torch", "torch", "torch", "rows") + ("torch",) * (MAX_ROWS - 5)
+    monkeypatch.setattr(routes, "_ROUTES", {})
+    monkeypatch.setattr(routes, "_time", fake_timer({count: "rows" for count in range(2, MAX_ROWS + 1)}))
+    assert routes.routes(torch.bfloat16) == ("torch",) + ("rows",) * (MAX_ROWS - 1)
+
+
+def test_routes_are_measured_once_and_kept_per_dtype_and_thread_count(monkeypatch, small_stream):
+    timed = []
+    timer = fake_timer({1: "rows"})
+    monkeypatch.setattr(routes, "_time", lambda *args: timed.append(args[0]) or timer(*args))
+    first = routes.routes(torch.float32)
+    assert timed and first[0] == "rows"
+    timed.clear()
+    monkeypatch.setattr(routes, "_ROUTES", {})  # another process: reads the file the first one wrote
+    assert routes.routes(torch.float32) == first and not timed
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # other threads, other timings: measured for themselves
+        assert routes.routes(torch.float32) == first and timed
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_onednn_serves_only_where_its_copy_pays_over_all_row_counts():
+    """A row count measured a little faster on oneDNN's product (or the others slowed by other work meanwhile) made
+    every call copy every weight for it."""
+    seconds = {"rows": [1.0] * MAX_ROWS, "torch": [3.0] * MAX_ROWS, "onednn": [1.5] * MAX_ROWS}
+    seconds["onednn"][4] = 0.9
+    assert routes.choose(seconds) == ("rows",) * MAX_ROWS
+    seconds["torch"][0] = 0.5
+    assert routes.choose(seconds) == ("torch",) + ("rows",) * (MAX_ROWS - 1)
+    seconds["onednn"] = [1.1] * 8 + [0.5] * 8  # faster over all: the copy pays, and serves where it is fastest
+    assert routes.choose(seconds) == ("torch",) + ("rows",) * 7 + ("onednn",) * 8
+
+
+def test_only_a_row_count_measured_fastest_on_onednn_makes_its_copy(monkeypatch):
+    monkeypatch.setattr(routes, "routes", lambda dtype: ("rows",) * MAX_ROWS)
+    assert cpu_products.rows_layout(torch.float32)
+    monkeypatch.setattr(routes, "routes", lambda dtype: ("rows",) * (MAX_ROWS - 1) + ("onednn",))
+    assert not cpu_products.rows_layout(torch.float32)
+
+
+ROUTE_SETS = {
+    "rows": ("rows",) * MAX_ROWS,
+    "torch": ("torch",) * MAX_ROWS,
+    "onednn": ("onednn",) * MAX_ROWS,
+    "mixed": tuple(("rows", "torch", "onednn")[count % 3] for count in range(MAX_ROWS)),
+}
+
+
+@pytest.mark.parametrize("route_set", ROUTE_SETS)
+def test_greedy_decoding_equals_plain_generate_whichever_implementation_each_row_count_got(monkeypatch, route_set):
+    if "rows" in ROUTE_SETS[route_set] and not rows_kernel():
+        pytest.skip("the rows kernel needs a CPU with AVX-512 and a C++ compiler")
+    target, drafter = trained_pair("llama", eagle31=True, speculation_mode="tree", tree_total_tokens=12)
+    plain = [target.generate(PROMPTS[i : i + 1], do_sample=False, max_new_tokens=20) for i in (0, 3)]
+    monkeypatch.setattr(routes, "routes", lambda dtype: ROUTE_SETS[route_set])
+    seen = []
+    linear = routes.linear
+    monkeypatch.setattr(routes, "linear", lambda x, *args: seen.append(x.numel() // x.shape[-1]) or linear(x, *args))
+    for i, expected in zip((0, 3), plain):
+        prompt = PROMPTS[i : i + 1]
+        fast = target.generate(prompt, do_sample=False, max_new_tokens=20, custom_generate=hf_eagle31.fast_decoding)
+        assert torch.equal(fast, expected)
+        assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter),
+                           expected)
+    assert 1 in seen and any(1 < count <= MAX_ROWS for count in seen)  # one-row steps, verify blocks
+
+
+def test_a_product_of_each_route_equals_torchs(monkeypatch):
+    target = make_target(seed=3)
+    reference = {count: target(PROMPTS[:1, :count]).logits for count in (1, 2, 7)}
+    for route_set, chosen in ROUTE_SETS.items():
+        if "rows" in chosen and not rows_kernel():
+            continue
+        monkeypatch.setattr(routes, "routes", lambda dtype, chosen=chosen: chosen)
+        products = Products(target)
+        with products.active(mode=True):
+            for count, logits in reference.items():
+                torch.testing.assert_close(target(PROMPTS[:1, :count]).logits, logits, atol=1e-4, rtol=1e-4)
