@@ -290,11 +290,11 @@ def test_what_changes_how_torch_multiplies_is_honoured(case, dtype):
     else:
         layer = target.model.layers[0].self_attn.o_proj
         layer.weight = torch.nn.Parameter(layer.weight.detach().t().contiguous().t())
-    prompt = PROMPTS[:1]
+    prompt, new = PROMPTS[:1], 16 if dtype == torch.float32 else 6  # bf16: "exact" verification, slower
     with context:
-        plain = target.generate(prompt, do_sample=False, max_new_tokens=16)
-        eagle = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=16)
-        fast = target.generate(prompt, do_sample=False, max_new_tokens=16, custom_generate=hf_eagle31.fast_decoding)
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=new)
+        eagle = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=new)
+        fast = target.generate(prompt, do_sample=False, max_new_tokens=new, custom_generate=hf_eagle31.fast_decoding)
     assert torch.equal(eagle, plain) and torch.equal(fast, plain)
     if case == "a user's torch function mode":
         assert (plain[0, prompt.shape[1]:] == 7).all()
