@@ -64,6 +64,11 @@ class Eagle3DraftOutput(ModelOutput):
     hidden_states: torch.Tensor | None = None
     cache: Cache | None = None
 
+    @property
+    def past_key_values(self) -> Cache | None:
+        """`cache` under its name before transformers 5.24, which code written then reads."""
+        return self.cache
+
 
 class Eagle3Attention(nn.Module):
     """Llama attention; in the first layer the q/k/v projections read the concatenated `[embedding, feature]`
@@ -341,6 +346,8 @@ class Eagle3DraftModel(PreTrainedModel):
         logits_to_keep: int = 0,
         logits_at: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         products: Products | None = None,
+        *,
+        past_key_values: Cache | None = None,
     ) -> Eagle3DraftOutput:
         """One draft step for a block of positions.
 
@@ -359,7 +366,14 @@ class Eagle3DraftModel(PreTrainedModel):
                 pair of index tensors (rows, positions) `[count]` each, which reads no count back from the device.
             products: a device backend's products for this drafter's linear layers (hf_eagle31.backends), which
                 compute what the layers' own calls would; None: the layers' own calls.
+            past_key_values: `cache` under its name before transformers 5.24, which code written then (training
+                loops, harnesses calling a loaded head) passes, as transformers' own models still accept it.
         """
+        if past_key_values is not None:
+            if cache is not None:
+                raise ValueError("the drafter got both cache= and past_key_values= (the same argument, by its name "
+                                 "before transformers 5.24): pass the cache once, as cache=")
+            cache = past_key_values
         width, captured = hidden_states.shape[-1], self.fc.in_features
         if width == captured:
             hidden_states = self.project_target_features(hidden_states, products)
