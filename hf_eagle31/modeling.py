@@ -38,6 +38,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
+from hf_eagle31.compat import LOAD_KWARGS
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config, SpeculationSettings, safeailab_tree_settings
 from hf_eagle31.kernels.tree_attention import tree_attention
 from hf_eagle31.stats import SpeculationStats
@@ -259,7 +260,7 @@ class Eagle3DraftModel(PreTrainedModel):
         with torch.device("meta"):
             expected = cls(config).state_dict()
         layouts.check_state_dict(expected, state, f"{pretrained_model_name_or_path} ({layout} layout)", config)
-        model = super().from_pretrained(None, *args, config=config, state_dict=state, **kwargs)
+        model = super().from_pretrained(None, *args, config=config, state_dict=state, **{**LOAD_KWARGS, **kwargs})
         file = folder / "generation_config.json"  # none: the defaults; a damaged one is named, not skipped
         saved = GenerationConfig.from_dict(layouts.read_json(file)).to_diff_dict() if file.is_file() else {}
         tree = safeailab_tree_settings(total_token, depth, top_k)
