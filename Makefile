@@ -1,11 +1,14 @@
 # `make demo` and `make test` set up .venv on first use (pinned CPU torch, see requirements-dev.txt); `make test`
-# also sets up .venv-oldest, the oldest transformers pyproject.toml admits (requirements-oldest.txt).
+# also sets up .venv-oldest and .venv-newest, the oldest and newest transformers pyproject.toml admits
+# (requirements-oldest.txt, requirements-newest.txt).
 VENV ?= .venv
 OLDEST ?= .venv-oldest
+NEWEST ?= .venv-newest
 PY := $(VENV)/bin/python
 OLDEST_PY := $(OLDEST)/bin/python
+NEWEST_PY := $(NEWEST)/bin/python
 PIP := -m pip install -q --disable-pip-version-check
-# the tests that reach into transformers' generation, modeling and loading: run on the oldest release too
+# the tests that reach into transformers' generation, modeling and loading: run on the oldest and newest releases too
 RANGE_TESTS := tests/test_transformers_range.py tests/test_generation.py tests/test_batched.py \
 	tests/test_modeling.py tests/test_layouts.py tests/test_architectures.py
 
@@ -24,14 +27,24 @@ $(OLDEST)/.installed: requirements-oldest.txt pyproject.toml
 	$(OLDEST_PY) $(PIP) --no-deps -e .
 	touch $@
 
+# transformers --no-deps: a dependency of the newest release is not on PyPI here (see requirements-newest.txt)
+$(NEWEST)/.installed: requirements-newest.txt pyproject.toml
+	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST)
+	grep -v '^transformers==' requirements-newest.txt > $(NEWEST)/requirements.txt
+	$(NEWEST_PY) $(PIP) -r $(NEWEST)/requirements.txt
+	$(NEWEST_PY) $(PIP) --no-deps $$(grep -o '^transformers==[^ ]*' requirements-newest.txt)
+	$(NEWEST_PY) $(PIP) --no-deps -e .
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 # pytest exits 5 when it collects no tests; that is not a failure.
-test: $(VENV)/.installed $(OLDEST)/.installed
+test: $(VENV)/.installed $(OLDEST)/.installed $(NEWEST)/.installed
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider tests || [ $$? -eq 5 ]
 	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(RANGE_TESTS)
+	$(NEWEST_PY) -m pytest -q -p no:cacheprovider $(RANGE_TESTS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST) build *.egg-info
+	rm -rf $(VENV) $(OLDEST) $(NEWEST) build *.egg-info

@@ -158,22 +158,35 @@ def _switch_back(target: PreTrainedModel, verifying: _Verifying) -> None:
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def unsupported_layers(text_config) -> list[str]:
+    """The kinds of layers EAGLE cannot verify, as the config names them: `layer_types`, or where a release gives a
+    hybrid config none, `layers_block_type` (RecurrentGemma's "recurrent" and "attention" blocks on 5.17)."""
+    kinds = getattr(text_config, "layer_types", None) or getattr(text_config, "layers_block_type", None) or ()
+    return sorted(set(kinds) - {*SUPPORTED_LAYER_TYPES, "attention"})
+
+
 def check_target(target: PreTrainedModel) -> None:
     """Refuse, by name and before any work, a target whose layers EAGLE cannot verify and roll back exactly.
 
     Verification computes attention over a tree with transformers' AttentionInterface and rolls a
     rejected draft back by dropping KV entries: a layer that keeps a recurrent state (Mamba, linear
     attention) cannot drop a rejected branch, and other attention kinds (chunked, indexed) are not masked that way.
-    A model that bypasses the interface is verified only on SDPA without windows, where its own
-    attention takes the tree mask as given (the "exact" and "kernel" modes then compute as "batched").
+    Models whose state transformers' caches cannot hold (RWKV, xLSTM: `generate` gives them no `DynamicCache`) have
+    no layer kinds to read, so they are known by that. A model that bypasses the interface is verified only on SDPA
+    without windows, where its own attention takes the tree mask as given (the "exact" and "kernel" modes then
+    compute as "batched").
     """
     name, text = type(target).__name__, target.config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or ()
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES)) or (["recurrent"] if target._is_stateful else [])
+    unsupported = unsupported_layers(text)
     if unsupported:
         raise UnsupportedTargetError(
             f"EAGLE cannot verify {name}: it has {', '.join(unsupported)} layers, and EAGLE verifies a draft tree and "
             f"rolls it back only in {' and '.join(SUPPORTED_LAYER_TYPES)} layers; generate without the drafter")
+    if not target._supports_default_dynamic_cache():
+        raise UnsupportedTargetError(
+            f"EAGLE cannot verify {name}: it keeps a state of its own that transformers' caches do not hold (a "
+            f"recurrent state or memory), and EAGLE rolls a draft tree back only in a DynamicCache or StaticCache; "
+            f"generate without the drafter")
     if not target._can_set_attn_implementation() and (target.config._attn_implementation != "sdpa"
                                                        or has_sliding_window(text)):
         raise UnsupportedTargetError(

@@ -38,6 +38,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
+from hf_eagle31.compat import LOAD_KWARGS
 from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config, SpeculationSettings, safeailab_tree_settings
 from hf_eagle31.kernels.tree_attention import tree_attention
 from hf_eagle31.stats import SpeculationStats
@@ -63,6 +64,11 @@ class Eagle3DraftOutput(ModelOutput):
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     cache: Cache | None = None
+
+    @property
+    def past_key_values(self) -> Cache | None:
+        """`cache` under its name before transformers 5.24, which code written then reads."""
+        return self.cache
 
 
 class Eagle3Attention(nn.Module):
@@ -254,7 +260,7 @@ class Eagle3DraftModel(PreTrainedModel):
         with torch.device("meta"):
             expected = cls(config).state_dict()
         layouts.check_state_dict(expected, state, f"{pretrained_model_name_or_path} ({layout} layout)", config)
-        model = super().from_pretrained(None, *args, config=config, state_dict=state, **kwargs)
+        model = super().from_pretrained(None, *args, config=config, state_dict=state, **{**LOAD_KWARGS, **kwargs})
         file = folder / "generation_config.json"  # none: the defaults; a damaged one is named, not skipped
         saved = GenerationConfig.from_dict(layouts.read_json(file)).to_diff_dict() if file.is_file() else {}
         tree = safeailab_tree_settings(total_token, depth, top_k)
@@ -341,6 +347,8 @@ class Eagle3DraftModel(PreTrainedModel):
         logits_to_keep: int = 0,
         logits_at: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         products: Products | None = None,
+        *,
+        past_key_values: Cache | None = None,
     ) -> Eagle3DraftOutput:
         """One draft step for a block of positions.
 
@@ -359,7 +367,14 @@ class Eagle3DraftModel(PreTrainedModel):
                 pair of index tensors (rows, positions) `[count]` each, which reads no count back from the device.
             products: a device backend's products for this drafter's linear layers (hf_eagle31.backends), which
                 compute what the layers' own calls would; None: the layers' own calls.
+            past_key_values: `cache` under its name before transformers 5.24, which code written then (training
+                loops, harnesses calling a loaded head) passes, as transformers' own models still accept it.
         """
+        if past_key_values is not None:
+            if cache is not None:
+                raise ValueError("the drafter got both cache= and past_key_values= (the same argument, by its name "
+                                 "before transformers 5.24): pass the cache once, as cache=")
+            cache = past_key_values
         width, captured = hidden_states.shape[-1], self.fc.in_features
         if width == captured:
             hidden_states = self.project_target_features(hidden_states, products)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from hf_eagle31.compat import LOAD_KWARGS
 from hf_eagle31.folders import replace_folder
 
 
@@ -83,7 +84,8 @@ def _convert(spec: PackagedModel, folder: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_path(spec)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                  **LOAD_KWARGS)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -180,7 +182,7 @@ def load_packaged_model(name: str, dtype: torch.dtype = torch.float32, device: s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = packaged_model_path(name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **LOAD_KWARGS).to(device).eval()
     model.name_or_path = portable_name(name)  # what cards, configs and manifests written from it name
     return model, AutoTokenizer.from_pretrained(folder)
 
@@ -191,7 +193,7 @@ def load_target(name: str):
 
     path = resolve_model(name)
     try:
-        target = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        target = AutoModelForCausalLM.from_pretrained(path, dtype="auto", **LOAD_KWARGS)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load the target model {path}: {err}") from None
     target.name_or_path = portable_name(name)  # a packaged model by its Hub id, not this machine's cache folder

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Generat
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
+from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.configuration import SPECULATION_DEFAULTS
 from hf_eagle31.drafting import DraftTree
 from hf_eagle31.features import capture_request, select_features
@@ -80,6 +81,13 @@ REFUSED = {
     "bloom": ({}, "AttentionInterface"),
     "mpt": ({}, "AttentionInterface"),
     "mamba": ({}, "linear_attention"),
+    "granitemoehybrid": ({"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1,  # Granite 4 style hybrid
+                          "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]},
+                         "linear_attention"),
+    "recurrent_gemma": ({}, "(recurrent|linear_attention) layers"),  # named by blocks on 5.17, by layers later
+    # no layer kinds to read, and generate gives them no transformers cache (before 5.25: `_is_stateful` too)
+    "rwkv": ({}, "a state of its own"),
+    "xlstm": ({}, "a state of its own"),
     **({} if GPTJ_VERIFIED else {"gptj": (GPTJ, "AttentionInterface")}),
 }
 
@@ -232,11 +240,34 @@ def test_verify_logits_past_the_window_equal_one_token_decoding(name):
 def test_unsupported_architectures_are_refused_by_name(name):
     extra, reason = REFUSED[name]
     target = tiny_target(name, extra)
-    drafter = fitted_drafter(target, PROMPT, [1, 2, 3], steps=0)
+    drafter = make_drafter(target, target_layer_ids=[1, 2, 3])  # refused before any forward: no fit needed
     for mode in ("chain", "tree"):
         drafter.generation_config.speculation_mode = mode
         with pytest.raises(UnsupportedTargetError, match=reason):
             target.generate(PROMPT, do_sample=False, max_new_tokens=4, assistant_model=drafter)
+
+
+def test_a_draft_tree_cannot_be_verified_through_a_linear_attention_layer():
+    """Why hybrid targets stay refused although transformers 5.25 rolls their state back along a chain (issue 73):
+    a tree's branches pass through the one recurrent state in turn, so under the tree mask the logits at a child
+    still depend on its sibling verified before it, while a full-attention layer sees only what the mask lets it."""
+    target = tiny_target("qwen3_next", {})
+    start = PROMPT.shape[1]
+    root, left, right = 5, 9, 13
+
+    def verify(tokens: list[int], depths: list[int], visible: list[list[int]]) -> torch.Tensor:
+        cache = DynamicCache(config=target.config.get_text_config())
+        with torch.no_grad():
+            target(PROMPT, **{CACHE_KWARG: cache})
+            allowed = torch.cat([torch.ones(len(tokens), start, dtype=torch.bool), torch.tensor(visible).bool()], 1)
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+            return target(torch.tensor([tokens]), attention_mask=mask, position_ids=torch.tensor([depths]) + start,
+                          **{CACHE_KWARG: cache}).logits[0]
+
+    chain = verify([root, right], [0, 1], [[1, 0], [1, 1]])
+    tree = verify([root, left, right], [0, 1, 1], [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
+    torch.testing.assert_close(tree[0], chain[0])  # the root sees the same tokens in both
+    assert tree[2].argmax() != chain[1].argmax()  # the right child does not: its state holds the left one
 
 
 @pytest.mark.parametrize("verify_mode", ["batched", "exact"])

@@ -206,12 +206,23 @@ def test_text_iterator_streamer(mode):
 
     target, drafter = trained_pair("llama", True, speculation_mode=mode)
     tokenizer = make_tokenizer()
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)  # a stalled producer: queue.Empty
     kwargs = dict(inputs=PROMPTS[0:1], do_sample=False, max_new_tokens=20, assistant_model=drafter, streamer=streamer)
-    thread = Thread(target=target.generate, kwargs=kwargs)
+    errors = []
+
+    def produce():  # a generate that raises ends the stream, and its error fails the test, instead of a wait forever
+        try:
+            target.generate(**kwargs)
+        except BaseException as error:
+            errors.append(error)
+            streamer.end()
+
+    thread = Thread(target=produce, daemon=True)
     thread.start()
     text = "".join(streamer)
-    thread.join()
+    thread.join(timeout=60)
+    if errors:
+        raise errors[0]
     expected = plain(target, PROMPTS[0:1], max_new_tokens=20)
     assert text.split() == tokenizer.decode(expected[0, PROMPTS.shape[1] :]).split()
 

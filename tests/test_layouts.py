@@ -20,6 +20,7 @@ from tiny_models import LAYERS, PROMPTS, make_drafter, make_target, trained_pair
 
 from hf_eagle31 import Eagle3Config, Eagle3DraftModel
 from hf_eagle31.cli import main as cli
+from hf_eagle31.compat import LOAD_KWARGS
 from hf_eagle31.configuration import safeailab_tree_settings
 from hf_eagle31.conversion.convert import convert_checkpoint
 from hf_eagle31.conversion.layouts import (
@@ -610,9 +611,10 @@ def test_a_head_loaded_the_wrong_way_names_eagle_and_the_right_call(tmp_path, ta
     eagle_reference(tmp_path / "head", plain)
     with pytest.raises(CheckpointError, match=r"EAGLE-3 drafter head .*AutoModel.from_pretrained"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "head")
-    target.save_pretrained(tmp_path / "target")  # every other model is transformers' business, as before
-    assert type(transformers.AutoModel.from_pretrained(tmp_path / "target")) is transformers.LlamaModel
-    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target")) is transformers.LlamaForCausalLM
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)  # every other model is transformers' business, as before
+    assert type(transformers.AutoModel.from_pretrained(folder, **LOAD_KWARGS)) is transformers.LlamaModel
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(folder, **LOAD_KWARGS)) is transformers.LlamaForCausalLM
 
 
 # --- SafeAILab's tree settings keep their meaning (issue 16, point 8) ----------------------------------------

@@ -190,3 +190,22 @@ def test_a_cached_step_of_a_stacked_drafter_equals_the_full_forward():
         assert len(cache.layers) == 3
         step = drafter(ids[:, 6:], features[:, 6:], cache=cache).logits
     torch.testing.assert_close(step, full[:, 6:], atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_is_also_taken_and_returned_as_past_key_values():
+    """issue 73: code written before transformers 5.24 (training loops, harnesses calling a loaded head) passes and
+    reads the drafter's cache as `past_key_values`; since the rename that was a TypeError. Both names give the
+    cache= step's output on every release; both at once is refused by name."""
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=True)
+    ids, features = torch.randint(3, 256, (1, 9)), torch.randn(1, 9, 3 * 64)
+    with torch.no_grad():
+        steps = {}
+        for name in ("cache", "past_key_values"):
+            cache = transformers.DynamicCache()
+            out = drafter(ids[:, :6], features[:, :6], **{name: cache})
+            assert out.past_key_values is cache and out.cache is cache
+            steps[name] = drafter(ids[:, 6:], features[:, 6:], **{name: cache}).logits
+        assert torch.equal(steps["past_key_values"], steps["cache"])
+        with pytest.raises(ValueError, match=r"both cache= and past_key_values=.*pass the cache once"):
+            drafter(ids, features, cache=transformers.DynamicCache(), past_key_values=transformers.DynamicCache())

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hf_eagle31.compat import LOAD_KWARGS
 from hf_eagle31.training.data import read_jsonl
 
 DEMO = Path("examples/demo_pair")
@@ -149,7 +150,7 @@ def load_models(args):
     else:
         dtype = getattr(torch, args.dtype)
     path = resolve_model(args.target)
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **LOAD_KWARGS).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     drafters = {}
     drafter_dtype = getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)
@@ -175,7 +176,7 @@ def load_assistant(path: str | Path, target):
 
     weights = Path(path) / "model.safetensors"
     if not weights.is_file() or EMBEDDING in safe_open(weights, "pt").keys():  # sharded, or complete
-        return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+        return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype, **LOAD_KWARGS).to(target.device).eval()
     config = AutoConfig.from_pretrained(path)
     embedding = target.get_input_embeddings()
     if tuple(embedding.weight.shape) != (config.vocab_size, config.hidden_size):
