@@ -317,7 +317,7 @@ def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
     from hf_eagle31.backends.cpu import products
 
     packed, made = [], products.Products.__init__
-    monkeypatch.setattr(products.Products, "__init__", lambda self, model: packed.append(model) or made(self, model))
+    monkeypatch.setattr(products.Products, "__init__", lambda self, model, **kw: packed.append(model) or made(self, model, **kw))
     target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=4, assistant_model=drafter)
     assert (target in packed) is (slow == "default")
 
