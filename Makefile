@@ -8,11 +8,19 @@ PY := $(VENV)/bin/python
 OLDEST_PY := $(OLDEST)/bin/python
 NEWEST_PY := $(NEWEST)/bin/python
 PIP := -m pip install -q --disable-pip-version-check
-# the tests that reach into transformers' generation, modeling and loading: run on the oldest and newest releases too
+# the tests that reach into transformers' generation, modeling and loading: run on the oldest and newest releases too,
+# but for the long statistical and long-context runs (marked slow), which run on the dev pin
 RANGE_TESTS := tests/test_transformers_range.py tests/test_generation.py tests/test_batched.py \
 	tests/test_modeling.py tests/test_layouts.py tests/test_architectures.py
+# `make test` runs two streams side by side (most tests are one busy Python thread on tiny models): the dev pin's
+# suite, and these dev-pin files followed by the range tests on the oldest and newest releases
+SECOND_STREAM := tests/test_real_pair.py tests/test_bench.py tests/test_training.py tests/test_static_drafting.py
+PYTEST := -m pytest -q -p no:cacheprovider
+# tests build the rows kernel and measure its routes in a cache of their own: a route measured while the other
+# stream runs is not one a later `make demo` should use
+TEST_ENV := HF_EAGLE31_CACHE=$(CURDIR)/build/test-cache
 
-.PHONY: demo test clean
+.PHONY: demo test dev-tests range-tests clean
 
 $(VENV)/.installed: requirements-dev.txt requirements-models.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,12 +47,19 @@ $(NEWEST)/.installed: requirements-newest.txt pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-# pytest exits 5 when it collects no tests; that is not a failure.
+# --output-sync: each stream's output is printed whole when it ends; pytest's exit 5 (no test collected) is no failure
 test: $(VENV)/.installed $(OLDEST)/.installed $(NEWEST)/.installed
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -p no:cacheprovider tests || [ $$? -eq 5 ]
-	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(RANGE_TESTS)
-	$(NEWEST_PY) -m pytest -q -p no:cacheprovider $(RANGE_TESTS)
+	@echo "the dev suite and the range tests run side by side; each prints its report when it ends"
+	$(MAKE) --no-print-directory -j2 --output-sync=target dev-tests range-tests
+
+dev-tests: $(VENV)/.installed
+	$(TEST_ENV) $(PY) $(PYTEST) tests $(addprefix --ignore=,$(SECOND_STREAM)) || [ $$? -eq 5 ]
+
+range-tests: $(VENV)/.installed $(OLDEST)/.installed $(NEWEST)/.installed
+	$(TEST_ENV) $(PY) $(PYTEST) $(SECOND_STREAM)
+	$(TEST_ENV) $(OLDEST_PY) $(PYTEST) -m "not slow" $(RANGE_TESTS)
+	$(TEST_ENV) $(NEWEST_PY) $(PYTEST) -m "not slow" $(RANGE_TESTS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(NEWEST) build *.egg-info

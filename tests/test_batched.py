@@ -184,6 +184,7 @@ def batched_samples(request):
     return target, accepted, [torch.tensor([p]) for p in prompts], counts
 
 
+@pytest.mark.slow
 def test_batched_sampling_matches_the_target_distribution_in_every_row(batched_samples):
     target, accepted, prompts, counts = batched_samples
     assert accepted > SAMPLES // 4, "draft tokens were rarely accepted: the acceptance path went untested"

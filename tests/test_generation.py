@@ -459,6 +459,7 @@ def test_micro_batched_verification_is_lossless_and_chunks():
     assert forwards_per_step[0] == 1.0 and forwards_per_step[1] > 1.0
 
 
+@pytest.mark.slow
 def test_long_generation_keeps_the_cache_valid():
     target = make_target("llama", seed=3)
     target.config.max_position_embeddings = 8192
