@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from tiny_models import LAYERS, PROMPTS, make_drafter, make_target, trained_pair
 
 from hf_eagle31 import Eagle3Config, Eagle3DraftModel
+from hf_eagle31.checkpoints import convert_checkpoint
 from hf_eagle31.cli import main as cli
 from hf_eagle31.compat import LOAD_KWARGS
 from hf_eagle31.configuration import safeailab_tree_settings
-from hf_eagle31.conversion.convert import convert_checkpoint
 from hf_eagle31.conversion.layouts import (
     CheckpointError,
     ExportError,
