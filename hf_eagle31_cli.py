@@ -14,12 +14,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 # subcommand -> (module exposing `configure_parser(parser)` and `run(args) -> int | None`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "distill": ("hf_eagle31.training.distill", "have the target answer chat prompts: training data, in resumable chunks"),
-    "train": ("hf_eagle31.training.command", "train an EAGLE-3 / EAGLE 3.1 drafter for a target model"),
-    "card": ("hf_eagle31.model_cards.card", "write a Hub model card (README.md) for a drafter folder"),
-    "bench": ("hf_eagle31.bench.command", "benchmark EAGLE against the target alone and other speculative methods"),
-    "plan": ("hf_eagle31.planner", "plan GPU memory for a target + drafter from the target's config alone"),
-    "convert": ("hf_eagle31.conversion.convert", "convert a drafter between checkpoint layouts, or upgrade EAGLE-3 "
+    "distill": ("hf_eagle31.commands.distill", "have the target answer chat prompts: training data, in resumable chunks"),
+    "train": ("hf_eagle31.commands.train", "train an EAGLE-3 / EAGLE 3.1 drafter for a target model"),
+    "card": ("hf_eagle31.commands.card", "write a Hub model card (README.md) for a drafter folder"),
+    "bench": ("hf_eagle31.commands.bench", "benchmark EAGLE against the target alone and other speculative methods"),
+    "plan": ("hf_eagle31.commands.plan", "plan GPU memory for a target + drafter from the target's config alone"),
+    "convert": ("hf_eagle31.commands.convert", "convert a drafter between checkpoint layouts, or upgrade EAGLE-3 "
                 "to EAGLE 3.1"),
 }
 # arguments naming a model or drafter to load: a missing folder is named before any loading

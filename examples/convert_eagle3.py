@@ -25,10 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hf_eagle31  # noqa: E402,F401  (routes generate(assistant_model=<EAGLE drafter>))
 from hf_eagle31 import Eagle3DraftModel  # noqa: E402
-from hf_eagle31.conversion.convert import convert_checkpoint  # noqa: E402
+from hf_eagle31.checkpoints import convert_checkpoint  # noqa: E402
 from hf_eagle31.conversion.layouts import save_in_layout  # noqa: E402
-from hf_eagle31.conversion.upgrade import upgrade_drafter  # noqa: E402
 from hf_eagle31.generation import prepare_drafter  # noqa: E402
+from hf_eagle31.training.upgrade import upgrade_drafter  # noqa: E402
 
 DEMO = Path(__file__).parent / "demo_pair"
 TRAIN_PROMPTS = Path("runs/demo_drafters/prompts.jsonl")  # the demo drafters' training prompts, if built here

@@ -2,8 +2,8 @@
 
     pip install -e . && python examples/gpu_validation.py --out runs/gpu   # writes gpu_validation.json
 
-(An editable install: the CUDA tests run from the checkout, whose `kernels/` folder is installed as
-`hf_eagle31.kernels`.) `--parts` runs a subset.
+(An editable install: the CUDA tests run from the checkout, against its `hf_eagle31.kernels`.) `--parts` runs a
+subset.
 
 1. the CUDA test suite (Triton tree-attention kernel tests) under pytest;
 2. the kernel against SDPA with a dense boolean mask at prefix 1k/4k/16k, tree size 64;

@@ -20,7 +20,7 @@ SPECULATION_DEFAULTS: dict[str, Any] = {
     "max_speculation_depth": 10,
     "collapse_fallback": True,  # fall back to plain decoding when speculation does not pay
     "verify_chunk_depth": None,  # micro-batched tree verification: levels per target forward
-    # how a verify forward is computed (see verification.VerifyPlan): "batched" (one SDPA call with
+    # how a verify forward is computed (see verify_plan.VerifyPlan): "batched" (one SDPA call with
     # the tree mask), "kernel" (the Triton tree-attention kernel on CUDA) or "exact" (bit-identical
     # to one-token decoding on any device, at a higher verify cost)
     "verify_mode": "batched",

@@ -47,7 +47,8 @@ from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.stats import SpeculationStats
-from hf_eagle31.verification import UnsupportedTargetError, VerifyPlan, has_sliding_window, subtree
+from hf_eagle31.verification import UnsupportedTargetError, has_sliding_window, subtree
+from hf_eagle31.verify_plan import VerifyPlan
 
 if TYPE_CHECKING:  # the routing hands the loop a backend's `Prepared`; the loop imports no backend
     from hf_eagle31.backends import Prepared

@@ -16,7 +16,6 @@ import functools
 import itertools
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-if TYPE_CHECKING:
-    from hf_eagle31.verification import VerifyPlan
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as eager attention takes it (added to the scores), with the values transformers' `eager_mask` uses."""
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+from hf_eagle31.verify_plan import VerifyPlan, additive_mask
 
 
 def decode_equivalent_attention(module, query, key, value, plan: VerifyPlan, window: int | None, scaling, dropout,

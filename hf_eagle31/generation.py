@@ -111,7 +111,7 @@ _VERIFYING_LOCK = threading.Lock()
 
 def eagle_verification(target: PreTrainedModel) -> Held:
     """While EAGLE decodes: the `eagle_tree` attention function, and bitsandbytes layers run position by position
-    in "exact" verify forwards (`OwnForwardByPosition`; see verification.py).
+    in "exact" verify forwards (`OwnForwardByPosition`; see exact.py).
 
     They belong to the target, so calls running at once in several threads share them: the first
     call switches them on and the last switches them off (a call restoring the previous attention

@@ -52,7 +52,7 @@ from hf_eagle31.generation import (
     verify_mode,
 )
 from hf_eagle31.modeling import Eagle3DraftModel, Products
-from hf_eagle31.verification import VerifyPlan
+from hf_eagle31.verify_plan import VerifyPlan
 
 VERIFY_SIZES = (*range(1, 14), 16, 24, 32, 48, 64)  # chains up to 12 drafts, trees up to 63
 SAMPLING_TEMPERATURE = 1.0  # the temperature `sampling_shape` is calibrated at; it serves every sampling call

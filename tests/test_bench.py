@@ -457,7 +457,7 @@ def test_an_assistant_saved_without_its_embedding_takes_the_targets(tmp_path):
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_eagle31.bench.command import EMBEDDING, load_assistant
+    from hf_eagle31.bench.suite import EMBEDDING, load_assistant
 
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  tie_word_embeddings=True, initializer_range=0.1, eos_token_id=2, pad_token_id=0)

@@ -11,7 +11,7 @@ import pytest
 from tiny_models import PROMPTS, trained_pair
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ["hf_eagle31", "kernels", "conversion", "model_cards", "hf_eagle31_cli.py"]
+SOURCES = ["hf_eagle31", "hf_eagle31_cli.py"]
 DISTRIBUTIONS = {"yaml": "pyyaml"}  # import name -> distribution name, where they differ
 USED_THROUGH_TRANSFORMERS = {"bitsandbytes", "gguf"}  # transformers imports them: a quantized or a GGUF target
 LOCAL = {"hf_eagle31", "hf_eagle31_cli"}

@@ -14,7 +14,7 @@ from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention_reference
 from hf_eagle31.cache import compact_cache
 from hf_eagle31.exact import decode_equivalent_attention
-from hf_eagle31.verification import VerifyPlan
+from hf_eagle31.verify_plan import VerifyPlan
 
 
 def context(target, drafter, prompt):

@@ -1,7 +1,7 @@
 """Every EAGLE checkpoint layout loads with `from_pretrained`, to the same module outputs.
 
 The foreign checkpoints are written here by hand, in the real key names and config shapes of each
-project (see the header of conversion/layouts.py, and REFERENCE_KEYS below, spelled out literally),
+project (see the header of hf_eagle31/conversion/layouts.py, and REFERENCE_KEYS below, spelled out literally),
 not by our own exporter, so the reader is checked against the layouts themselves; the exporter is then
 checked by round trips and against the engines' own reading rules (`engine_rules.py`, transcribed from
 vLLM, SGLang and SafeAILab/EAGLE). Heads written by speculators' and SpecForge's own code are in
@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from tiny_models import LAYERS, PROMPTS, make_drafter, make_target, trained_pair
 
 from hf_eagle31 import Eagle3Config, Eagle3DraftModel
+from hf_eagle31.checkpoints import convert_checkpoint
 from hf_eagle31.cli import main as cli
 from hf_eagle31.compat import LOAD_KWARGS
 from hf_eagle31.configuration import safeailab_tree_settings
-from hf_eagle31.conversion.convert import convert_checkpoint
 from hf_eagle31.conversion.layouts import (
     CheckpointError,
     ExportError,

@@ -17,7 +17,8 @@ from hf_eagle31.backends.cpu.products import Products, can_pack, packed_product
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.generation import eagle_verification
 from hf_eagle31.cache import compact_cache
-from hf_eagle31.verification import VerifyPlan, verify_forward
+from hf_eagle31.verification import verify_forward
+from hf_eagle31.verify_plan import VerifyPlan
 
 pytestmark = pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import hf_eagle31
-from hf_eagle31.bench.command import load_assistant
+from hf_eagle31.bench.suite import load_assistant
 from hf_eagle31.packaged import PACKAGED, load_packaged_model
 
 PAIR = Path(__file__).resolve().parent.parent / "examples" / "smollm2"

@@ -8,7 +8,7 @@ from huggingface_hub import ModelCard
 from tiny_models import make_drafter, make_target
 
 from hf_eagle31 import Eagle3DraftModel
-from hf_eagle31.conversion.upgrade import fc_norm_weights, switch_on_eagle31, upgrade_drafter
+from hf_eagle31.training.upgrade import fc_norm_weights, switch_on_eagle31, upgrade_drafter
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.training import train_drafter
 from hf_eagle31.training.data import self_distill

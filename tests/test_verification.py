@@ -15,7 +15,8 @@ from transformers import DynamicCache
 
 from hf_eagle31.drafting import DraftTree
 from hf_eagle31.generation import eagle_verification
-from hf_eagle31.verification import VerifyPlan, tree_attention_forward
+from hf_eagle31.verification import tree_attention_forward
+from hf_eagle31.verify_plan import VerifyPlan
 
 #      0
 #    1   2

@@ -139,7 +139,8 @@ def trained_pair(arch: str = "llama", eagle31: bool = True, **speculation) -> tu
 
 def verify_logits(target, cache, tokens, positions, mask, layer_ids, mode="batched"):
     """The raw logits `[n, V]` of one verify forward over a single row's block (the target in `eagle_verification`)."""
-    from hf_eagle31.verification import VerifyPlan, verify_forward
+    from hf_eagle31.verification import verify_forward
+    from hf_eagle31.verify_plan import VerifyPlan
 
     plan = VerifyPlan.for_cache(mask[None], cache, mode)
     return verify_forward(target, cache, plan, tokens[None], positions[None], layer_ids)[0][0]

@@ -28,7 +28,8 @@ from transformers import Cache, PreTrainedModel
 
 from hf_eagle31.drafting import Replay
 from hf_eagle31.modeling import Eagle3DraftModel, Products
-from hf_eagle31.verification import VerifyPlan, verify_forward
+from hf_eagle31.verification import verify_forward
+from hf_eagle31.verify_plan import VerifyPlan
 
 # one verify forward: (cache, plan, tokens [B, n], positions [B, n], transformers' compiled call or None)
 # -> (raw float logits [B, n, V], the drafter's features [B, n, 3 H_t])

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from hf_eagle31 import Eagle3DraftModel
-from hf_eagle31.bench.command import read_texts
+from hf_eagle31.bench.suite import read_texts
 from hf_eagle31.bench.drift import prompt_encoders
 from hf_eagle31.bench.report import markdown_table
 from hf_eagle31.bench.runner import Method, run_all

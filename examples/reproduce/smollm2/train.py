@@ -186,7 +186,7 @@ def small_lm(target, tokenizer, work: Path, lr: float = 6e-4, batch_size: int = 
             (out / "state.pt.tmp").rename(out / "state.pt")
     model.eval().to(torch.bfloat16)  # the embedding (and the head tied to it) is the target's: not shipped
     layers = {k: v for k, v in model.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
-    model.save_pretrained(HERE / "small_lm", state_dict=layers)  # hf_eagle31.bench.command.load_assistant adds it
+    model.save_pretrained(HERE / "small_lm", state_dict=layers)  # hf_eagle31.bench.suite.load_assistant adds it
     tokenizer.save_pretrained(HERE / "small_lm")
 
 

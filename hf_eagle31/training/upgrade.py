@@ -11,12 +11,12 @@ that mean, and the first draft step starts near the original. (A separate scale 
 the calibration tokens marginally better and new tokens worse: it only adds estimation noise.) `norm_output` changes what later steps are fed
 (the post-norm state instead of the residual stream) and has no such fix: a short fine-tune with
 the training pipeline adapts the head to it, and the acceptance before and after says whether
-the upgrade paid.
+the upgrade paid. (Hence its place in training/: it distills, trains and measures acceptance with the training
+pipeline, which sits above generation; `hf-eagle31 convert --upgrade` runs it.)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shutil
@@ -141,32 +141,3 @@ def upgrade_drafter(
     (out_dir / "upgrade_acceptance.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     write_model_card(out_dir, base_model=hub_id(target.name_or_path), benchmark={"runs": runs})
     return tuned, reports
-
-
-def add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `--upgrade` options of `hf-eagle31 convert`."""
-    group = parser.add_argument_group("EAGLE-3 -> 3.1 upgrade")
-    group.add_argument("--upgrade", action="store_true",
-                       help="switch fc_norm and norm_output on, calibrate the new norms, fine-tune (needs --target, --data)")
-    group.add_argument("--target", help="the target model the drafter serves (upgrade)")
-    group.add_argument("--data", help="JSONL of prompts for calibration and fine-tuning (upgrade)")
-    group.add_argument("--upgrade-steps", type=int, default=200, help="fine-tuning optimizer steps (upgrade)")
-    group.add_argument("--upgrade-lr", type=float, default=5e-5, help="fine-tuning learning rate (upgrade)")
-    group.add_argument("--held-out", type=int, default=8, help="sequences kept for the before/after acceptance (upgrade)")
-    group.add_argument("--tune-prompts", type=int, default=TrainingConfig.tune_prompts, help="sequences kept to tune "
-                       "the draft shape on at the end (0: keep the default shape) (upgrade)")
-
-
-def run_upgrade(args: argparse.Namespace, drafter: Eagle3DraftModel, out_dir: str | Path) -> Eagle3DraftModel:
-    """`hf-eagle31 convert ... --upgrade`: upgrade the converted `drafter` into `out_dir` and print the acceptance."""
-    from hf_eagle31.packaged import load_target
-
-    if not (args.target and args.data):
-        raise ValueError("--upgrade needs --target (the target model) and --data (prompts to calibrate and fine-tune on)")
-    target, tokenizer = load_target(args.target)
-    tuned, reports = upgrade_drafter(drafter, target, args.data, out_dir, tokenizer=tokenizer, held_out=args.held_out,
-                                     steps=args.upgrade_steps, lr=args.upgrade_lr, tune_prompts=args.tune_prompts)
-    for name, report in reports.items():
-        print(f"{name:42s} acceptance per depth: {' '.join(f'{a:.3f}' for a in report.acceptance)}"
-              f"   expected accepted length {report.expected_length:.3f}")
-    return tuned

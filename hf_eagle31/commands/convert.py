@@ -4,7 +4,7 @@
 reads SRC in any layout (this project's, the EAGLE reference's, SpecForge's, speculators', NeMo
 Automodel's) and writes DST in the chosen one with the weights and the 3.1 switches untouched, or
 refuses a head that layout's readers would run differently (`layouts.ExportError`); `--upgrade`
-switches the 3.1 norms on and fine-tunes instead (see `upgrade.py`). DST must be new or empty
+switches the 3.1 norms on and fine-tunes instead (`hf_eagle31.training.upgrade`). DST must be new or empty
 (`--overwrite` replaces it whole, never the source or a folder holding it); it is written whole or not
 at all.
 """
@@ -14,28 +14,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hf_eagle31.checkpoints import convert_checkpoint
 from hf_eagle31.conversion.layouts import LAYOUTS, save_in_layout
-from hf_eagle31.conversion.upgrade import add_upgrade_arguments, run_upgrade
 from hf_eagle31.folders import replace_folder
 from hf_eagle31.modeling import Eagle3DraftModel
-from hf_eagle31.packaged import require_hub_id
-
-
-def convert_checkpoint(src: str | Path, dst: str | Path, layout: str = "hf_eagle31", allow_pickle: bool = False,
-                       overwrite: bool = False, verifier: str | None = None, local_verifier: bool = False) -> Path:
-    """Read `src` in any supported layout and write it to `dst` in `layout`: same weights, same outputs.
-
-    `verifier` names the target in a speculators export (default: the one `src` records, from its
-    speculators config or its model card's `base_model`), by its Hub id unless `local_verifier`. `dst` must be new
-    or empty unless
-    `overwrite`; it is written whole or not at all (`replace_folder`).
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    with replace_folder(dst, overwrite, source=src) as scratch:
-        save_in_layout(Eagle3DraftModel.from_pretrained(src, allow_pickle=allow_pickle), scratch, layout, verifier,
-                       local_verifier)
-    return Path(dst)
+from hf_eagle31.packaged import load_target, require_hub_id
+from hf_eagle31.training.trainer import TrainingConfig
+from hf_eagle31.training.upgrade import upgrade_drafter
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -70,3 +55,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.dst}" + (f" and {Path(args.dst) / args.layout} ({args.layout} layout)"
                                  if args.layout != "hf_eagle31" else ""))
     return 0
+
+
+def add_upgrade_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--upgrade` options of `hf-eagle31 convert`."""
+    group = parser.add_argument_group("EAGLE-3 -> 3.1 upgrade")
+    group.add_argument("--upgrade", action="store_true",
+                       help="switch fc_norm and norm_output on, calibrate the new norms, fine-tune (needs --target, --data)")
+    group.add_argument("--target", help="the target model the drafter serves (upgrade)")
+    group.add_argument("--data", help="JSONL of prompts for calibration and fine-tuning (upgrade)")
+    group.add_argument("--upgrade-steps", type=int, default=200, help="fine-tuning optimizer steps (upgrade)")
+    group.add_argument("--upgrade-lr", type=float, default=5e-5, help="fine-tuning learning rate (upgrade)")
+    group.add_argument("--held-out", type=int, default=8, help="sequences kept for the before/after acceptance (upgrade)")
+    group.add_argument("--tune-prompts", type=int, default=TrainingConfig.tune_prompts, help="sequences kept to tune "
+                       "the draft shape on at the end (0: keep the default shape) (upgrade)")
+
+
+def run_upgrade(args: argparse.Namespace, drafter: Eagle3DraftModel, out_dir: str | Path) -> Eagle3DraftModel:
+    """`hf-eagle31 convert ... --upgrade`: upgrade the converted `drafter` into `out_dir` and print the acceptance."""
+    if not (args.target and args.data):
+        raise ValueError("--upgrade needs --target (the target model) and --data (prompts to calibrate and fine-tune on)")
+    target, tokenizer = load_target(args.target)
+    tuned, reports = upgrade_drafter(drafter, target, args.data, out_dir, tokenizer=tokenizer, held_out=args.held_out,
+                                     steps=args.upgrade_steps, lr=args.upgrade_lr, tune_prompts=args.tune_prompts)
+    for name, report in reports.items():
+        print(f"{name:42s} acceptance per depth: {' '.join(f'{a:.3f}' for a in report.acceptance)}"
+              f"   expected accepted length {report.expected_length:.3f}")
+    return tuned
