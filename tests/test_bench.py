@@ -253,15 +253,15 @@ def test_a_calls_packing_is_spread_over_its_steps_in_the_predicted_speedup():
 def test_tuning_times_each_draft_tree_after_an_untimed_target_forward(monkeypatch):
     """Decoding drafts each tree after a verify forward has streamed the target's weights through the caches, so
     tuning times its trees after a target forward too (`target_step`), and leaves that forward out of the time."""
-    from hf_eagle31 import tuning
+    from hf_eagle31.tuning import measure
 
     target, drafter = trained_pair("llama", True)
     events, calls = [], []
-    draft_tree, draft_cost = tuning.draft_tree, tuning.draft_cost
-    monkeypatch.setattr(tuning, "draft_tree", lambda *a, **k: events.append("tree") or draft_tree(*a, **k))
-    monkeypatch.setattr(tuning, "draft_cost", lambda *a, **k: calls.append(1) or draft_cost(*a, **k))
-    monkeypatch.setattr(tuning, "TUNING_ROUNDS", 1)
-    monkeypatch.setattr(tuning, "verify_paths", lambda *_: (False,))
+    draft_tree, draft_cost = measure.draft_tree, measure.draft_cost
+    monkeypatch.setattr(measure, "draft_tree", lambda *a, **k: events.append("tree") or draft_tree(*a, **k))
+    monkeypatch.setattr(measure, "draft_cost", lambda *a, **k: calls.append(1) or draft_cost(*a, **k))
+    monkeypatch.setattr(measure, "TUNING_ROUNDS", 1)
+    monkeypatch.setattr(measure, "verify_paths", lambda *_: (False,))
     hook = target.register_forward_pre_hook(lambda *_: events.append("target") or time.sleep(0.05))
     try:  # the pair is cached: a hook left on its target would keep later tests off the lean forward
         report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
@@ -277,16 +277,16 @@ def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller
     """A shared CPU runs fast or slow for a minute: one pass's fast minute at one size must not price that size
     below a smaller one (on the Xeon a best over passes priced 13 tokens under 12, and a 12-deep tree was chosen on
     it), so each cost is its median over the passes, raised to the highest cost of the sizes below it."""
-    from hf_eagle31 import tuning
+    from hf_eagle31.tuning import measure
 
     target, drafter = trained_pair("llama", True)
     passes = iter([{1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4},  # 4 tokens: median 1.0, raised to 3 tokens' 1.25
                    {1: 1.0, 2: 1.2, 3: 1.25, 4: 0.8, 5: 1.5},
                    {1: 1.1, 2: 1.1, 3: 1.3, 4: 1.0, 5: 1.45}])
     drafts = iter([0.3, 0.2, 0.1, 0.5, 0.25, 0.1])  # depths 1 and 2 in each pass (one width: a chain family)
-    monkeypatch.setattr(tuning, "verify_cost_curve", lambda *_, **__: next(passes))
-    monkeypatch.setattr(tuning, "draft_cost", lambda *_, **__: next(drafts))
-    monkeypatch.setattr(tuning, "verify_paths", lambda *_: (False,))
+    monkeypatch.setattr(measure, "verify_cost_curve", lambda *_, **__: next(passes))
+    monkeypatch.setattr(measure, "draft_cost", lambda *_, **__: next(drafts))
+    monkeypatch.setattr(measure, "verify_paths", lambda *_: (False,))
     report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
     assert report.verify_curve == {1: 1.0, 2: 1.1, 3: 1.25, 4: 1.25, 5: 1.45}
     assert report.draft_seconds == {1: {1: 0.25, 2: 0.25}} and report.plain_seconds == 1.0
@@ -297,17 +297,17 @@ def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller
 def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
     """The packed weights pay on one CPU and not on another: tuning times both paths and keeps the faster one's
     shapes and its `pack_weights`, which decoding then follows."""
-    from hf_eagle31 import tuning
+    from hf_eagle31.tuning import measure
 
     target, drafter = trained_pair("llama", True)
-    measured = tuning.verify_cost_curve
+    measured = measure.verify_cost_curve
 
     def curve(target, sizes, layer_ids, pack=False, **kwargs):  # the real forwards, one path made 3x slower
         times = measured(target, sizes, layer_ids, pack=pack, **kwargs)
         return {n: t * (3.0 if pack == (slow == "packed") else 1.0) for n, t in times.items()}
 
-    monkeypatch.setattr(tuning, "verify_cost_curve", curve)
-    monkeypatch.setattr(tuning, "packing_cost", lambda *_: 0.0)
+    monkeypatch.setattr(measure, "verify_cost_curve", curve)
+    monkeypatch.setattr(measure, "packing_cost", lambda *_: 0.0)
     ranks = {1: [[0, 1], [0], [0, 1, 2]] * 3}
     report = choose_tree_shape(target, drafter, ranks, max_depth=3, max_tokens=4, context=32)
     assert report.pack_weights is (slow == "default") and set(report.paths) == {"packed", "default"}
