@@ -15,16 +15,6 @@ from hf_eagle31.bench.runner import Method, run_all
 from hf_eagle31.tuning import apply_choice, choose_tree_shape, projected_tau, verify_cost_curve
 
 
-def test_projected_tau_rescores_accepted_paths_for_smaller_drafts():
-    ranks = [[0, 1, 5, 2], [3], [], [0, 9, 1]]
-    # full tree: accepted 4, 1, 0, 3 -> emitted 5, 2, 1, 4
-    assert projected_tau(ranks, total_tokens=100, depth=10) == pytest.approx((5 + 2 + 1 + 4) / 4)
-    # only the 4 best nodes: 2 (rank 5 cut), 1, 0, 1 (rank 9 cut) -> emitted 3, 2, 1, 2
-    assert projected_tau(ranks, total_tokens=4, depth=10) == pytest.approx((3 + 2 + 1 + 2) / 4)
-    # two levels deep: 2, 1, 0, 2 -> emitted 3, 2, 1, 3
-    assert projected_tau(ranks, total_tokens=100, depth=2) == pytest.approx((3 + 2 + 1 + 3) / 4)
-
-
 def test_projected_tau_predicts_what_a_smaller_tree_actually_does():
     target, drafter = trained_pair("llama", True, dynamic_speculation=False, collapse_fallback=False,
                                    tree_depth=5, tree_total_tokens=40)
@@ -195,59 +185,6 @@ def test_tuning_calibrates_a_shape_for_sampling_beside_the_greedy_ones(tmp_path)
     assert set(again["sampling"]["calibration_ranks"]) == {1, 3}
     assert drafter.generation_config.sampling_shape == again["sampling"]["shape"]
     assert greedy == {name: getattr(drafter.generation_config, name) for name in greedy}  # greedy shapes kept
-
-
-def test_sampling_tuning_predicts_from_the_saved_costs_by_hand():
-    from hf_eagle31.tuning import sampling_tuning
-
-    report = {"verify_seconds": {"1": 1.0, "2": 1.2, "3": 1.5}, "plain_seconds": 1.0,
-              "draft_seconds": {"1": {"1": 0.1, "2": 0.2}, "3": {"1": 0.3, "2": 0.5}}}
-    # sampled: the chain's second draft never passes; greedy would have accepted it
-    ranks = {1: [[0], [0], []], 3: [[0, 1], [1], [0]]}
-    chosen = sampling_tuning(report, ranks, 1.0)["shape"]
-    # chain 1: tau 5/3, 1.0 / 1.3 -> 1.28; tree (3, 1, 2): tau 2, 1.0 / 1.8 -> 1.11; (3, 2, 2): tau 7/3 / 2.0 -> 1.17
-    assert (chosen["tree_top_k"], chosen["tree_depth"], chosen["tree_total_tokens"]) == (1, 1, 1)
-    assert chosen["speedup"] == pytest.approx(5 / 3 / 1.3) and chosen["temperature"] == 1.0
-
-
-def test_candidates_follow_the_speedup_formula():
-    from hf_eagle31.tuning import rank_candidates
-
-    verify = {1: 1.0, 2: 1.2, 3: 1.5}
-    drafts = {1: {1: 0.1, 2: 0.2}, 3: {1: 0.3, 2: 0.5}}
-    ranks = {1: [[0, 1], [0], []], 3: [[0, 1], [1], [0]]}
-    candidates = rank_candidates(verify, drafts, ranks, plain_seconds=1.25)  # packed verification: t(1) < plain
-    shapes = {(c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"]) for c in candidates}
-    assert shapes == {(1, 1, 1), (1, 2, 2), (3, 1, 1), (3, 1, 2), (3, 2, 2)}  # a chain keeps depth == tokens
-    chain = next(c for c in candidates if (c["tree_top_k"], c["tree_depth"]) == (1, 2))
-    assert chain["tau"] == pytest.approx((3 + 2 + 1) / 3) and chain["speedup"] == pytest.approx(chain["tau"] * 1.25 / (1.5 + 0.2))
-
-
-def test_a_shapes_draft_cost_is_the_mean_of_the_levels_its_steps_would_draft():
-    """Calibrated frontier ranks say how deep each step's smaller tree drafts: a level runs while its best node
-    ranks among the tree's nodes, so a tree of 3 drafts 1, 3 and 2 forwards at these steps, a tree of 8 2, 3 and 3."""
-    from hf_eagle31.tuning import rank_candidates
-
-    verify = {1: 1.0, 4: 1.2, 9: 1.5}
-    drafts = {3: {1: 0.1, 2: 0.2, 3: 0.3}, 8: {1: 0.1, 2: 0.4, 3: 0.8}}
-    ranks, frontier = {8: [[0], [0, 1], []]}, {8: [[5, 8], [0, 1], [1, 7]]}
-    candidates = rank_candidates(verify, drafts, ranks, plain_seconds=1.0, frontier_by_top_k=frontier)
-    small = next(c for c in candidates if (c["tree_depth"], c["tree_total_tokens"]) == (3, 3))
-    assert small["speedup"] == pytest.approx(small["tau"] / (1.2 + (0.1 + 0.3 + 0.2) / 3))
-    wide = next(c for c in candidates if (c["tree_depth"], c["tree_total_tokens"]) == (3, 8))
-    assert wide["speedup"] == pytest.approx(wide["tau"] / (1.5 + (0.4 + 0.8 + 0.8) / 3))
-    full = rank_candidates(verify, drafts, ranks, plain_seconds=1.0)  # no frontier ranks: every step a full tree
-    assert next(c for c in full if (c["tree_depth"], c["tree_total_tokens"]) == (3, 3))["speedup"] == pytest.approx(
-        small["tau"] / (1.2 + 0.3))
-
-
-def test_a_calls_packing_is_spread_over_its_steps_in_the_predicted_speedup():
-    from hf_eagle31.tuning import CALL_TOKENS, rank_candidates
-
-    verify, drafts, ranks = {1: 1.0, 3: 1.5}, {1: {2: 0.2}}, {1: [[0, 1], [0], []]}
-    chain = rank_candidates(verify, drafts, ranks, plain_seconds=1.25, call_seconds=12.8)[0]
-    tau = (3 + 2 + 1) / 3  # a call of CALL_TOKENS tokens takes CALL_TOKENS / tau steps, and packs once
-    assert chain["speedup"] == pytest.approx(tau * 1.25 / (1.5 + 0.2 + 12.8 * tau / CALL_TOKENS))
 
 
 def test_tuning_times_each_draft_tree_after_an_untimed_target_forward(monkeypatch):
