@@ -27,8 +27,8 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     `report` may also be a saved `TuningReport.as_dict()` (a resumed benchmark reuses its tuning).
     Where the device replays static drafts, tuning timed both drafting modes and the faster one is stored
     (`draft_mode`). Dynamic speculation is switched off: the shapes were chosen for the acceptance measured at a
-    fixed depth, and on the demo pair the PID controller, shortening drafts after each miss, cost 8%
-    of the tuned chain's speed (2.63x instead of 2.85x over the target alone, same prompts).
+    fixed depth, and the PID controller, shortening drafts after each miss, then costs some of the tuned shape's
+    speed (docs/benchmarks.md).
     """
     if isinstance(report, TuningReport):
         report = report.as_dict()
@@ -51,7 +51,7 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     settings_of(drafter)  # what was stored is checked as every call checks it
 
 
-BATCH_MAX_DEPTH = 8  # deeper drafts never paid at a batch size above one here
+BATCH_MAX_DEPTH = 8  # the deepest batched draft timed: deeper ones did not pay at a batch size above one
 
 
 def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: list[torch.Tensor],

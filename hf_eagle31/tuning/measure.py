@@ -1,17 +1,16 @@
 """Measuring what a draft shape costs on this device, and the acceptance the drafter achieves: runs the models.
 
 Verifying n tokens costs t(n); on a GPU t(n) / t(1) stays near 1 up to dozens of tokens, on a
-2-core CPU it grows quickly. The right chain length or tree size therefore depends on the device
+CPU it grows quickly. The right chain length or tree size therefore depends on the device
 as much as on the drafter. This module measures t(n) / t(1) for the target (`verify_cost_curve`), the
 drafter's cost per draft tree (`draft_cost`) and the acceptance the drafter actually achieves (`calibrate`),
 and `choose_tree_shape` ranks every candidate on them (`hf_eagle31.tuning.predict`).
 
 Verification may run on the CPU backend (hf_eagle31.backends.cpu), and whether that pays depends on the CPU: on
-the 2-core AMD EPYC a packed fp32 forward of up to 16 tokens cost less than a plain step; on a
-2-core Intel Xeon with AMX it costs 1.09-1.55 plain steps for 1-16 tokens in fp32, where torch's
-own path costs 1.00-1.09 up to 3 tokens (and packed bf16 0.67-0.81). Packing also costs each call
-~0.2 s for SmolLM2 in bf16. So tuning measures both paths, spreads a call's packing over
-`CALL_TOKENS` tokens, and stores the faster path (`pack_weights`) with its shapes.
+one a packed forward of a few tokens costs less than a plain step, on another more than torch's own path for the
+same tokens (docs/benchmarks.md). Packing the weights also costs each call a fixed time. So tuning measures both
+paths, spreads a call's packing over `CALL_TOKENS` tokens, and stores the faster path (`pack_weights`) with its
+shapes.
 """
 
 from __future__ import annotations
@@ -108,9 +107,9 @@ def target_step(target: PreTrainedModel) -> Callable[[], object]:
     drafts each tree after a verify forward has streamed the target's weights through the caches.
 
     Why: the drafter then reads its weights, code and data from memory, not from the caches a loop of trees keeps
-    them in. SmolLM2's 3-level tree on 2 threads: 9.2 ms after a target forward, 7.1 ms in a loop; decoding's own
-    drafts cost at least the first, and tuning on the second chose trees a level or two too deep and predicted 17%
-    more speed than the benchmark then measured.
+    them in, so a tree costs more after a target forward than in a loop. Decoding's own drafts cost at least the
+    first; timed the second way, tuning chose trees too deep and predicted more speed than the benchmark then
+    measured (docs/benchmarks.md).
     """
     token = torch.full((1, 1), 3, device=target.device)
     return lambda: target(token, use_cache=False)
@@ -286,8 +285,8 @@ def choose_tree_shape(
     layer_ids = drafter.config.target_layer_ids
     # Why passes: a shared CPU drifts in speed over seconds, both ways (a neighbour's load comes and goes), so each
     # cost is its median over passes in different minutes: one pass's slow or fast minute at one size does not bend
-    # the curve (a best over passes once priced 13 tokens at 1.10 plain steps between 1.31 and 1.40 on the Xeon, and
-    # a 12-deep tree was chosen on it); the costs in turn in each pass.
+    # the curve (a best over passes once priced one size far below its neighbours, and a shape of that size was
+    # chosen on it); the costs in turn in each pass.
     after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
     passes = []
     for _ in range(TUNING_ROUNDS):

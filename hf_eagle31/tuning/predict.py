@@ -157,8 +157,8 @@ def sampling_tuning(report: dict, ranks_by_top_k: dict[int, list[list[int]]], te
     fastest of them (`shape`, which `apply_choice` stores as `sampling_shape`).
 
     Why a second calibration: a sampled walk accepts a child with the target's probability of it, not when it is
-    the argmax, so sampling accepts fewer tokens deeper down and a shallower shape wins (on the 2-core CPU the
-    greedy-tuned tree of 5 ran 1.81x at temperature 1.0 where a chain of 3 ran 1.95x). The costs are the same.
+    the argmax, so sampling accepts fewer tokens deeper down and a shallower shape wins (docs/benchmarks.md). The
+    costs are the same.
     """
     verify = {int(n): t for n, t in report["verify_seconds"].items()}  # keys are strings once through JSON
     drafts = {int(k): {int(d): t for d, t in depths.items()} for k, depths in report["draft_seconds"].items()}
