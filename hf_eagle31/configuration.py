@@ -28,7 +28,7 @@ SPECULATION_DEFAULTS: dict[str, Any] = {
     # the models; verifying a few tokens then costs about one plain step; not with "exact" verification
     "pack_weights": True,
     # on the CPU backend, a Llama-family target's verify forward compiled by inductor (backends/cpu/lean.py):
-    # 10-16% cheaper, after a first call that compiles for 1-2 minutes (then ~20 s in each new process)
+    # cheaper, after a first call that compiles for minutes (and again, for less, in each new process)
     "compile_verify": False,
     # how a tree is drafted: "narrowed" (each level only as wide as nodes the tree may still keep, stopping early:
     # the host reads scores back between levels), "static" (every level of a shape the same tensors, nothing read

@@ -84,8 +84,8 @@ def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
 def drafting_dtype(target: PreTrainedModel) -> torch.dtype:
     """The dtype a drafter runs fastest in beside `target`: bf16 where the target's device computes it at full
     speed, else the target's own. Why: a draft level streams the drafter's weights for a few tokens, so half the
-    bytes is most of half the time (a level 2.2-2.6 ms instead of 3.0 ms beside fp32 SmolLM2 on the 2-core CPU,
-    the tokens accepted unchanged), and the target verifies every draft, so the output does not depend on it."""
+    bytes is most of half the time (docs/benchmarks.md), and the target verifies every draft, so the output does
+    not depend on it."""
     return torch.bfloat16 if fast_bf16(target.device) else target.dtype
 
 

@@ -313,8 +313,8 @@ class Eagle3DraftModel(PreTrainedModel):
     def rotary_at(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cos and sin at `position_ids` in `like`'s dtype; on a CPU, rows of a table of them
         that it computed once for positions 0..L-1 (grown by doubling): the same numbers, each being one position
-        times one frequency. Why: computing them at each draft level took ~10 of the ~60 small operations of a bf16
-        level outside its products (SmolLM2's drafter, 2 threads). Types that change with the length (dynamic,
+        times one frequency. Why: computing them at each draft level was a sixth of the small operations a level
+        runs outside its products, each a fixed cost on a CPU. Types that change with the length (dynamic,
         longrope) compute them at each call, and so does CUDA (sizing the table would wait for the device)."""
         rotary = self.rotary_emb
         if like.device.type != "cpu" or "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":

@@ -1,7 +1,7 @@
 """Real targets that install offline from PyPI wheels with a GGUF file inside, as plain transformers models.
 
-transformers reads GGUF (with the `gguf` package) but dequantizes on every load (about 20 s for
-SmolLM2-135M) and refuses `save_pretrained` on the result, which it marks as quantized. The first
+transformers reads GGUF (with the `gguf` package) but dequantizes on every load (slow, even for a
+small model) and refuses `save_pretrained` on the result, which it marks as quantized. The first
 load here rebuilds the model from its config without that marker and caches safetensors, config and
 tokenizer in a folder; later loads read that folder in seconds, and any transformers code (the
 bench, the trainer, `AutoModelForCausalLM.from_pretrained`) can take its path.

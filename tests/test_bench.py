@@ -15,16 +15,6 @@ from hf_eagle31.bench.runner import Method, run_all
 from hf_eagle31.tuning import apply_choice, choose_tree_shape, projected_tau, verify_cost_curve
 
 
-def test_projected_tau_rescores_accepted_paths_for_smaller_drafts():
-    ranks = [[0, 1, 5, 2], [3], [], [0, 9, 1]]
-    # full tree: accepted 4, 1, 0, 3 -> emitted 5, 2, 1, 4
-    assert projected_tau(ranks, total_tokens=100, depth=10) == pytest.approx((5 + 2 + 1 + 4) / 4)
-    # only the 4 best nodes: 2 (rank 5 cut), 1, 0, 1 (rank 9 cut) -> emitted 3, 2, 1, 2
-    assert projected_tau(ranks, total_tokens=4, depth=10) == pytest.approx((3 + 2 + 1 + 2) / 4)
-    # two levels deep: 2, 1, 0, 2 -> emitted 3, 2, 1, 3
-    assert projected_tau(ranks, total_tokens=100, depth=2) == pytest.approx((3 + 2 + 1 + 3) / 4)
-
-
 def test_projected_tau_predicts_what_a_smaller_tree_actually_does():
     target, drafter = trained_pair("llama", True, dynamic_speculation=False, collapse_fallback=False,
                                    tree_depth=5, tree_total_tokens=40)
@@ -197,71 +187,18 @@ def test_tuning_calibrates_a_shape_for_sampling_beside_the_greedy_ones(tmp_path)
     assert greedy == {name: getattr(drafter.generation_config, name) for name in greedy}  # greedy shapes kept
 
 
-def test_sampling_tuning_predicts_from_the_saved_costs_by_hand():
-    from hf_eagle31.tuning import sampling_tuning
-
-    report = {"verify_seconds": {"1": 1.0, "2": 1.2, "3": 1.5}, "plain_seconds": 1.0,
-              "draft_seconds": {"1": {"1": 0.1, "2": 0.2}, "3": {"1": 0.3, "2": 0.5}}}
-    # sampled: the chain's second draft never passes; greedy would have accepted it
-    ranks = {1: [[0], [0], []], 3: [[0, 1], [1], [0]]}
-    chosen = sampling_tuning(report, ranks, 1.0)["shape"]
-    # chain 1: tau 5/3, 1.0 / 1.3 -> 1.28; tree (3, 1, 2): tau 2, 1.0 / 1.8 -> 1.11; (3, 2, 2): tau 7/3 / 2.0 -> 1.17
-    assert (chosen["tree_top_k"], chosen["tree_depth"], chosen["tree_total_tokens"]) == (1, 1, 1)
-    assert chosen["speedup"] == pytest.approx(5 / 3 / 1.3) and chosen["temperature"] == 1.0
-
-
-def test_candidates_follow_the_speedup_formula():
-    from hf_eagle31.tuning import rank_candidates
-
-    verify = {1: 1.0, 2: 1.2, 3: 1.5}
-    drafts = {1: {1: 0.1, 2: 0.2}, 3: {1: 0.3, 2: 0.5}}
-    ranks = {1: [[0, 1], [0], []], 3: [[0, 1], [1], [0]]}
-    candidates = rank_candidates(verify, drafts, ranks, plain_seconds=1.25)  # packed verification: t(1) < plain
-    shapes = {(c["tree_top_k"], c["tree_depth"], c["tree_total_tokens"]) for c in candidates}
-    assert shapes == {(1, 1, 1), (1, 2, 2), (3, 1, 1), (3, 1, 2), (3, 2, 2)}  # a chain keeps depth == tokens
-    chain = next(c for c in candidates if (c["tree_top_k"], c["tree_depth"]) == (1, 2))
-    assert chain["tau"] == pytest.approx((3 + 2 + 1) / 3) and chain["speedup"] == pytest.approx(chain["tau"] * 1.25 / (1.5 + 0.2))
-
-
-def test_a_shapes_draft_cost_is_the_mean_of_the_levels_its_steps_would_draft():
-    """Calibrated frontier ranks say how deep each step's smaller tree drafts: a level runs while its best node
-    ranks among the tree's nodes, so a tree of 3 drafts 1, 3 and 2 forwards at these steps, a tree of 8 2, 3 and 3."""
-    from hf_eagle31.tuning import rank_candidates
-
-    verify = {1: 1.0, 4: 1.2, 9: 1.5}
-    drafts = {3: {1: 0.1, 2: 0.2, 3: 0.3}, 8: {1: 0.1, 2: 0.4, 3: 0.8}}
-    ranks, frontier = {8: [[0], [0, 1], []]}, {8: [[5, 8], [0, 1], [1, 7]]}
-    candidates = rank_candidates(verify, drafts, ranks, plain_seconds=1.0, frontier_by_top_k=frontier)
-    small = next(c for c in candidates if (c["tree_depth"], c["tree_total_tokens"]) == (3, 3))
-    assert small["speedup"] == pytest.approx(small["tau"] / (1.2 + (0.1 + 0.3 + 0.2) / 3))
-    wide = next(c for c in candidates if (c["tree_depth"], c["tree_total_tokens"]) == (3, 8))
-    assert wide["speedup"] == pytest.approx(wide["tau"] / (1.5 + (0.4 + 0.8 + 0.8) / 3))
-    full = rank_candidates(verify, drafts, ranks, plain_seconds=1.0)  # no frontier ranks: every step a full tree
-    assert next(c for c in full if (c["tree_depth"], c["tree_total_tokens"]) == (3, 3))["speedup"] == pytest.approx(
-        small["tau"] / (1.2 + 0.3))
-
-
-def test_a_calls_packing_is_spread_over_its_steps_in_the_predicted_speedup():
-    from hf_eagle31.tuning import CALL_TOKENS, rank_candidates
-
-    verify, drafts, ranks = {1: 1.0, 3: 1.5}, {1: {2: 0.2}}, {1: [[0, 1], [0], []]}
-    chain = rank_candidates(verify, drafts, ranks, plain_seconds=1.25, call_seconds=12.8)[0]
-    tau = (3 + 2 + 1) / 3  # a call of CALL_TOKENS tokens takes CALL_TOKENS / tau steps, and packs once
-    assert chain["speedup"] == pytest.approx(tau * 1.25 / (1.5 + 0.2 + 12.8 * tau / CALL_TOKENS))
-
-
 def test_tuning_times_each_draft_tree_after_an_untimed_target_forward(monkeypatch):
     """Decoding drafts each tree after a verify forward has streamed the target's weights through the caches, so
     tuning times its trees after a target forward too (`target_step`), and leaves that forward out of the time."""
-    from hf_eagle31 import tuning
+    from hf_eagle31.tuning import measure
 
     target, drafter = trained_pair("llama", True)
     events, calls = [], []
-    draft_tree, draft_cost = tuning.draft_tree, tuning.draft_cost
-    monkeypatch.setattr(tuning, "draft_tree", lambda *a, **k: events.append("tree") or draft_tree(*a, **k))
-    monkeypatch.setattr(tuning, "draft_cost", lambda *a, **k: calls.append(1) or draft_cost(*a, **k))
-    monkeypatch.setattr(tuning, "TUNING_ROUNDS", 1)
-    monkeypatch.setattr(tuning, "verify_paths", lambda *_: (False,))
+    draft_tree, draft_cost = measure.draft_tree, measure.draft_cost
+    monkeypatch.setattr(measure, "draft_tree", lambda *a, **k: events.append("tree") or draft_tree(*a, **k))
+    monkeypatch.setattr(measure, "draft_cost", lambda *a, **k: calls.append(1) or draft_cost(*a, **k))
+    monkeypatch.setattr(measure, "TUNING_ROUNDS", 1)
+    monkeypatch.setattr(measure, "verify_paths", lambda *_: (False,))
     hook = target.register_forward_pre_hook(lambda *_: events.append("target") or time.sleep(0.05))
     try:  # the pair is cached: a hook left on its target would keep later tests off the lean forward
         report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
@@ -277,16 +214,16 @@ def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller
     """A shared CPU runs fast or slow for a minute: one pass's fast minute at one size must not price that size
     below a smaller one (on the Xeon a best over passes priced 13 tokens under 12, and a 12-deep tree was chosen on
     it), so each cost is its median over the passes, raised to the highest cost of the sizes below it."""
-    from hf_eagle31 import tuning
+    from hf_eagle31.tuning import measure
 
     target, drafter = trained_pair("llama", True)
     passes = iter([{1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4},  # 4 tokens: median 1.0, raised to 3 tokens' 1.25
                    {1: 1.0, 2: 1.2, 3: 1.25, 4: 0.8, 5: 1.5},
                    {1: 1.1, 2: 1.1, 3: 1.3, 4: 1.0, 5: 1.45}])
     drafts = iter([0.3, 0.2, 0.1, 0.5, 0.25, 0.1])  # depths 1 and 2 in each pass (one width: a chain family)
-    monkeypatch.setattr(tuning, "verify_cost_curve", lambda *_, **__: next(passes))
-    monkeypatch.setattr(tuning, "draft_cost", lambda *_, **__: next(drafts))
-    monkeypatch.setattr(tuning, "verify_paths", lambda *_: (False,))
+    monkeypatch.setattr(measure, "verify_cost_curve", lambda *_, **__: next(passes))
+    monkeypatch.setattr(measure, "draft_cost", lambda *_, **__: next(drafts))
+    monkeypatch.setattr(measure, "verify_paths", lambda *_: (False,))
     report = choose_tree_shape(target, drafter, {1: [[0, 1], [0]] * 3}, max_depth=2, max_tokens=4, context=32)
     assert report.verify_curve == {1: 1.0, 2: 1.1, 3: 1.25, 4: 1.25, 5: 1.45}
     assert report.draft_seconds == {1: {1: 0.25, 2: 0.25}} and report.plain_seconds == 1.0
@@ -297,17 +234,17 @@ def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller
 def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
     """The packed weights pay on one CPU and not on another: tuning times both paths and keeps the faster one's
     shapes and its `pack_weights`, which decoding then follows."""
-    from hf_eagle31 import tuning
+    from hf_eagle31.tuning import measure
 
     target, drafter = trained_pair("llama", True)
-    measured = tuning.verify_cost_curve
+    measured = measure.verify_cost_curve
 
     def curve(target, sizes, layer_ids, pack=False, **kwargs):  # the real forwards, one path made 3x slower
         times = measured(target, sizes, layer_ids, pack=pack, **kwargs)
         return {n: t * (3.0 if pack == (slow == "packed") else 1.0) for n, t in times.items()}
 
-    monkeypatch.setattr(tuning, "verify_cost_curve", curve)
-    monkeypatch.setattr(tuning, "packing_cost", lambda *_: 0.0)
+    monkeypatch.setattr(measure, "verify_cost_curve", curve)
+    monkeypatch.setattr(measure, "packing_cost", lambda *_: 0.0)
     ranks = {1: [[0, 1], [0], [0, 1, 2]] * 3}
     report = choose_tree_shape(target, drafter, ranks, max_depth=3, max_tokens=4, context=32)
     assert report.pack_weights is (slow == "default") and set(report.paths) == {"packed", "default"}

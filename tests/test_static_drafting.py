@@ -257,26 +257,26 @@ def test_a_replayed_static_draft_equals_plain_greedy(monkeypatch, mode):
 def test_tuning_times_both_drafting_modes_where_drafts_replay_and_keeps_the_faster(monkeypatch, faster):
     """Where the backend replays static drafts (CUDA graphs; `CpuGraphs` here), tuning times each draft both ways,
     prices a static draft at every level, and stores the mode of the fastest candidate; decoding follows it."""
-    from hf_eagle31 import tuning
     from hf_eagle31.backends import DefaultBackend
     from hf_eagle31.backends.cpu import CpuBackend
+    from hf_eagle31.tuning import apply_choice, measure
 
     replays = []
     for backend in (DefaultBackend, CpuBackend):
         monkeypatch.setattr(backend, "draft_replay", lambda self, drafter: replays.append(CpuGraphs()) or replays[-1])
-    measured = tuning.draft_cost
+    measured = measure.draft_cost
 
     def draft_cost(*args, static=False, **kwargs):  # the real drafts, one mode made 20x slower
         return measured(*args, static=static, **kwargs) * (20.0 if static == (faster == "narrowed") else 1.0)
 
-    monkeypatch.setattr(tuning, "draft_cost", draft_cost)
-    monkeypatch.setattr(tuning, "packing_cost", lambda *_: 0.0)
+    monkeypatch.setattr(measure, "draft_cost", draft_cost)
+    monkeypatch.setattr(measure, "packing_cost", lambda *_: 0.0)
     target, drafter = trained_pair("llama", True, collapse_fallback=False)
-    report = tuning.choose_tree_shape(target, drafter, {3: [[0, 1], [0], [0, 1, 2]] * 3}, max_depth=3, max_tokens=4,
-                                      context=32)
+    report = measure.choose_tree_shape(target, drafter, {3: [[0, 1], [0], [0, 1, 2]] * 3}, max_depth=3, max_tokens=4,
+                                       context=32)
     assert {candidate["draft_mode"] for candidate in report.candidates} == {faster}  # the chosen path's
     assert {key.split(", ")[1] for key in report.paths} == {"static", "narrowed"}
-    tuning.apply_choice(drafter, report)
+    apply_choice(drafter, report)
     assert drafter.generation_config.draft_mode == faster
     replays.clear()
     expected = target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=8)

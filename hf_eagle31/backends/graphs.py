@@ -1,8 +1,8 @@
 """A fixed-shape draft replayed as a CUDA graph (`drafting.Replay`): captured once per shape and buffers, then each
 step one `replay()` launches every kernel of every level and the tree's selection.
 
-Why: a CUDA drafter is bound by launches, not arithmetic (an 8B-shaped drafter's forward is ~1.8 ms eager of which
-little is compute, and a depth-6 tree is six of them and the selection), and a graph launches them all at once.
+Why: a CUDA drafter is bound by launches, not arithmetic (an eager drafter forward spends little of its time
+computing, and a depth-6 tree is six of them and the selection), and a graph launches them all at once.
 """
 
 from __future__ import annotations

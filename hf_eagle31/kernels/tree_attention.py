@@ -67,10 +67,9 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """torch's SDPA with the query heads that share a key/value head folded into one longer block of queries
     (`mask` folded by `fold_mask`); `[batch, q_heads, n, v_head_dim]`.
 
-    Why: every query row gets the products SDPA's `enable_gqa` gives it, but a CPU runs it 10-25% faster (the
-    keys are read once per group: 2.6 -> 2.3 ms for 30 layers of SmolLM2 at 400 keys, 12.5 -> 9.9 at 2,000),
-    and on CUDA a masked `enable_gqa` call falls back to the math kernel where this one
-    keeps a fused kernel.
+    Why: every query row gets the products SDPA's `enable_gqa` gives it, but a CPU runs it faster (the keys are
+    read once per group, not once per query head; docs/benchmarks.md), and on CUDA a masked `enable_gqa` call
+    falls back to the math kernel where this one keeps a fused kernel.
     """
     batch, heads, n, size = query.shape
     kv_heads = key.shape[1]
@@ -98,7 +97,7 @@ def tree_attention(
         if query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in SUPPORTED_DTYPES:
             return tree_attention_triton(query, key, value, tail_mask, scale)
     if query.shape[-2] == 1 and query.dtype == torch.bfloat16 and query.device.type == "cpu":
-        # torch's CPU kernel takes 3-5x longer on one bf16 query than on one fp32 query, its upcast included
-        # (260 cached keys: 280 vs 68 us; 2,000: 1.1 vs 0.47 ms): a chain's draft levels are single queries.
+        # torch's CPU kernel takes several times longer on one bf16 query than on one fp32 query, its upcast
+        # included (docs/benchmarks.md): a chain's draft levels are single queries.
         return tree_attention_reference(query.float(), key.float(), value.float(), tail_mask, scale).bfloat16()
     return tree_attention_reference(query, key, value, tail_mask, scale)

@@ -226,7 +226,7 @@ def answer_prompts(
         ids = torch.tensor([[pad_token_id] * (width - len(prompts[i])) + prompts[i] for i in rows], device=target.device)
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=target.device)
         # a static cache is written in place; the default one is re-concatenated at every step, which on a CPU
-        # costs more than the model itself for a batch of long prompts (3x per step at 32 x 500 tokens)
+        # costs more than the model itself for a batch of long prompts
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(limits[i] for i in rows),
                               pad_token_id=pad_token_id, cache_implementation="static", **sample)
         for row, answer in zip(rows, out[:, width:].tolist()):
@@ -306,7 +306,7 @@ class EpochShuffle(torch.utils.data.Sampler):
 
     Given the sequences' `lengths` and the `batch_size`, each run of 16 batches is sorted by length
     before it is cut into batches, whose order is then shuffled: a batch pads to its longest
-    sequence, and random batches of chat data waste about 40% of a step on padding.
+    sequence, and random batches of chat data, of very mixed lengths, waste much of a step on padding.
     """
 
     GROUP = 16  # batches sorted together

@@ -53,13 +53,12 @@ def widen_draft_vocab(drafter: Eagle3DraftModel, target: PreTrainedModel, counts
     """Grow the drafter's draft vocabulary to `size` tokens, in place: its own tokens and their trained head rows
     kept, the most frequent others in `counts` added.
 
-    Why: a vocabulary chosen on one corpus covers less of another (the SmolLM2 drafters' 8,192 tokens
-    cover 98.8% of the answers they were chosen on, 87% of ShareGPT's), and a token outside it can
+    Why: a vocabulary chosen on one corpus covers less of another, and a token outside it can
     never be drafted, however long the drafter trains. A new row is the target's row for its token
     through the linear map that best takes the target's rows of the drafter's own tokens to their
-    trained rows (least squares): the target's rows as they are would outscore the trained ones (the
-    shipped EAGLE 3.1 drafter's first-token acceptance fell from 0.62 to 0.29 with them), while the
-    mapped rows draft the new tokens at once (0.63, before any training).
+    trained rows (least squares): the target's rows as they are would outscore the trained ones and
+    lower the acceptance, while the mapped rows draft the new tokens at once, before any training
+    (docs/training.md).
     """
     own = draft_vocab_ids(drafter).cpu()
     vocab_size = drafter.t2d.shape[0]

@@ -2,8 +2,8 @@
 dispatch.
 
 Why: on a CPU, transformers' machinery around the products (module calls, keyword plumbing, the attention
-interface, output capturing; on the CPU backend also `ProductsMode` seeing every op) is 15-27% of a verify
-step of SmolLM2-135M, eager, fp32 and bf16, 1-16 tokens, 2 threads. The forward below computes the same
+interface, output capturing; on the CPU backend also `ProductsMode` seeing every op) is a sizeable share of a
+verify step (docs/benchmarks.md). The forward below computes the same
 products in the same order (transformers' own
 norm and `rotate_half` in its rotary formula, EAGLE's own attention function) on the same products
 and cache, so its logits, features and cache equal the transformers path's bit for bit
@@ -123,12 +123,12 @@ def product_keys(model: nn.Module) -> list[int]:
 
 class CacheRoom:
     """Where one `generate` call's verify forwards grow the target's dynamic cache layers in place, the packed
-    products they multiply by (`product_keys`: fixed while the call lasts, ~0.3 ms of module lookups to gather), and
+    products they multiply by (`product_keys`: fixed while the call lasts, so the module lookups that gather them
+    run once a call), and
     whether they run compiled (`compiled_decoder`).
 
     Why: transformers' `DynamicLayer.update` concatenates, copying every cached key and value of every
-    layer at every forward, a cost that grows with the context (SmolLM2-135M, fp32, 6,000 cached tokens:
-    1.6-3.4 ms of a 100-110 ms verify forward). Here a layer's keys and values are the front of a
+    layer at every forward, a cost that grows with the context. Here a layer's keys and values are the front of a
     buffer with room behind them (a sixteenth of the cache, at least `MIN_ROOM` tokens), and a block is
     written into that room. Rolling back (`crop`) and compacting (`compact_cache`) keep that front view;
     anything that replaces the tensors (a row leaving the batch, a plain forward's concatenation) makes the
@@ -185,7 +185,7 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
                length: int, mask: torch.Tensor, rotate_half: Callable, qkv: int, o: int) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
-    # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations: 0.4-1.7 ms a forward);
+    # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations);
     # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
@@ -228,12 +228,12 @@ def compiled_decoder() -> Callable:
     """`_decoder` compiled by inductor, for `compile_verify` (created once a process; dynamo compiles a graph per
     target, dtype and batch size, for any block size, cache length and packing of the weights: `product_keys`).
 
-    Why: on a 2-core CPU the eager forward spends half its time between the products, in ~50 small operations a
+    Why: on a CPU the eager forward spends much of its time between the products, in dozens of small operations a
     layer, each costlier than in a loop because the products streaming the weights evict the code and data they
     run on; inductor fuses them into a few C++ kernels, and its C++ wrapper (`cpp_wrapper`) calls those and the
     products without Python in between. `emulate_precision_casts` rounds as eager does after
     each bf16 operation (bf16 logits eager's, or one bf16 rounding apart where a fused sum runs in another
-    order); fp32 sums in another order too (SmolLM2's logits within 3e-4 of eager's, outputs the same).
+    order); fp32 sums in another order too (logits a rounding error apart from eager's).
     """
     return torch.compile(_decoder, dynamic=True, fullgraph=True, options={
         "cpp_wrapper": True, "emulate_precision_casts": True, "guard_filter_fn": _ids_and_arguments})
@@ -245,9 +245,9 @@ def _ids_and_arguments(guards: list) -> list[bool]:
     globals (dtype, batch size, layer ids, the family's functions), not the ~2,000 on the model's module tree (types,
     attributes, parameters).
 
-    Why: checking those cost ~1 ms of a 19 ms bf16 verify forward of SmolLM2 at every call (-5%),
-    and they guard nothing a model changes under a generate call: the graph reads its structure (layer count, head
-    counts, sizes, fixed for a model) and its norms' weights, which it takes as inputs at each call.
+    Why: checking those costs a noticeable share of a verify forward at every call, and they guard nothing a model
+    changes under a generate call: the graph reads its structure (layer count, head counts, sizes, fixed for a
+    model) and its norms' weights, which it takes as inputs at each call.
     """
     return [guard.guard_type == "ID_MATCH" or not guard.orig_guard.source.is_unspecialized_nn_module()
             for guard in guards]
@@ -264,7 +264,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
     inputs = x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
     if room.compiled and n > 1:  # one graph for every block size, none that equal another size by chance
-        try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (~30 s)
+        try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (slow)
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 x, features = compiled_decoder()(model, None, *inputs)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use

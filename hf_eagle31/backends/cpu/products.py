@@ -2,13 +2,13 @@
 
 Why: a verify forward multiplies a few rows (the draft tokens) by every weight of the target, and a
 draft level the drafter's. On a CPU torch sends an fp32 product of 2-16 rows to MKL's small-M GEMM,
-which costs 1.3-1.9 one-row steps although a step is bound by streaming the weights from memory.
+which costs more than a one-row step although a step is bound by streaming the weights from memory.
 Two ways stream them at the memory's rate: the rows kernel on the weights as they are (on an AVX-512
 CPU, rows.py: nothing to copy), and oneDNN's inner product over a copy of the weights reordered into
 its blocked layout (a second copy of every linear weight for as long as the products are held, one
 `generate` call or a `packed_weights` block). Which serves which row count is measured (routes.py).
 Linear layers of one module that read the same input (q/k/v, gate/up) are one product: each
-oneDNN product has a fixed cost beside its bytes (2.5 ms of a 39 ms fp32 verify forward of SmolLM2).
+oneDNN product has a fixed cost beside its bytes.
 
 The model is only read: its weights, hooks and forwards stay as they are, and a forward uses the
 products only where this call asks for them (the lean forward and the drafter take them by name; a
@@ -72,7 +72,7 @@ def product_key(linear: nn.Module) -> int:
 
     Why: a compiled verify forward names its products by these keys, as constants (lean.product_keys). With the
     modules' ids as keys each process compiled another graph, and inductor's cache never found the last one
-    (SmolLM2: ~110 s at the first call of every process). A copied module (`copy.deepcopy`) draws its own key.
+    (minutes of compiling at the first call of every process). A copied module (`copy.deepcopy`) draws its own key.
     """
     key = _KEY_OF.get(linear)
     if key is None:
@@ -302,8 +302,8 @@ _ACTIVE = threading.local()  # this thread's `Products.active`, for the compiled
 
 # A product as one opaque op, so that torch.compile traces around it (a packed weight is an mkldnn tensor, which it
 # cannot trace). Defined with `torch.library.Library`, not `custom_op`: a compiled graph calls it back through the
-# dispatcher at every product, and `custom_op`'s Python layers (autograd, aliasing checks) cost ~13 us a call under
-# no_grad, 2.3 ms of a 20 ms bf16 verify forward of SmolLM2 (120 products) against ~2 us.
+# dispatcher at every product, and `custom_op`'s Python layers (autograd, aliasing checks) cost several times the
+# dispatcher's own call under no_grad, at each of a forward's products.
 _LIBRARY = torch.library.Library("hf_eagle31", "DEF")
 _LIBRARY.define("packed_linear(Tensor x, SymInt key, SymInt out_features) -> Tensor")
 _LIBRARY.impl("packed_linear", lambda x, key, out_features: packed_product(key, x, out_features), "CPU")
@@ -355,8 +355,8 @@ def products_for(model: nn.Module) -> Products:
 
 def packed_weights(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
     """Hold the model's products for the block, so that the EAGLE calls inside do not each make their own. Each
-    EAGLE `generate` call otherwise makes them for itself (oneDNN's copies: about 0.15-0.2 s for SmolLM2-135M in bf16
-    on 2 cores; nothing where the rows kernel reads the weights as they are); a serving loop pays that once:
+    EAGLE `generate` call otherwise makes them for itself (oneDNN's copies of the weights, a fixed time a call;
+    nothing where the rows kernel reads the weights as they are); a serving loop pays that once:
 
         with packed_weights(target), packed_weights(drafter):
             for prompt in prompts:
