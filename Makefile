@@ -16,9 +16,10 @@ RANGE_TESTS := tests/test_transformers_range.py tests/test_generation.py tests/t
 # suite, and these dev-pin files followed by the range tests on the oldest and newest releases
 SECOND_STREAM := tests/test_real_pair.py tests/test_bench.py tests/test_training.py tests/test_static_drafting.py
 PYTEST := -m pytest -q -p no:cacheprovider
-# tests build the rows kernel and measure its routes in a cache of their own: a route measured while the other
-# stream runs is not one a later `make demo` should use
-TEST_ENV := HF_EAGLE31_CACHE=$(CURDIR)/build/test-cache
+# one thread a stream: two streams of two threads on two cores spin in each other's barriers. Tests build the rows
+# kernel and measure its routes in a cache of their own: a route measured beside the other stream is not one a later
+# `make demo` should use
+TEST_ENV := OMP_NUM_THREADS=1 HF_EAGLE31_CACHE=$(CURDIR)/build/test-cache
 
 .PHONY: demo test dev-tests range-tests clean
 
