@@ -14,7 +14,8 @@ RANGE_TESTS := tests/test_transformers_range.py tests/test_generation.py tests/t
 	tests/test_modeling.py tests/test_layouts.py tests/test_architectures.py
 # `make test` runs two streams side by side (most tests are one busy Python thread on tiny models): the dev pin's
 # suite, and these dev-pin files followed by the range tests on the oldest and newest releases
-SECOND_STREAM := tests/test_real_pair.py tests/test_bench.py tests/test_training.py tests/test_static_drafting.py
+SECOND_STREAM := tests/test_real_pair.py tests/test_bench.py tests/test_training.py tests/test_static_drafting.py \
+	tests/test_sampling.py tests/test_quantized.py
 PYTEST := -m pytest -q -p no:cacheprovider
 # one thread a stream: two streams of two threads on two cores spin in each other's barriers. Tests build the rows
 # kernel and measure its routes in a cache of their own: a route measured beside the other stream is not one a later
