@@ -83,9 +83,9 @@ def picture() -> str:
     lines += [f"    layer{number} ~~~ layer{number + 1}" for number in range(1, len(rows))]  # rows in contract order
     lines += [f"    {importer} --> {imported}" for importer, imported in drawn]
     lines += ["```", "",
-              f"{len(placed)} modules and subpackages in {len(rows)} layers; an arrow goes from importer to imported: "
-              f"{len(drawn)} arrows for the {len(edges)} imports between them, an import that a path of arrows "
-              "implies not drawn.", END]
+              f"{len(placed)} modules and subpackages in {len(rows)} layers; an arrow goes from importer to imported:",
+              f"{len(drawn)} arrows for the {len(edges)} imports between them (an import that a path of arrows implies "
+              "is not drawn).", END]
     return "\n".join(lines)
 
 
