@@ -22,7 +22,7 @@ PYTEST := -m pytest -q -p no:cacheprovider
 # `make demo` should use
 TEST_ENV := OMP_NUM_THREADS=1 HF_EAGLE31_CACHE=$(CURDIR)/build/test-cache
 
-.PHONY: demo test dev-tests range-tests clean
+.PHONY: demo test dev-tests range-tests architecture clean
 
 $(VENV)/.installed: requirements-dev.txt requirements-models.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,6 +62,10 @@ range-tests: $(VENV)/.installed $(OLDEST)/.installed $(NEWEST)/.installed
 	$(TEST_ENV) $(PY) $(PYTEST) $(SECOND_STREAM)
 	$(TEST_ENV) $(OLDEST_PY) $(PYTEST) -m "not slow" $(RANGE_TESTS)
 	$(TEST_ENV) $(NEWEST_PY) $(PYTEST) -m "not slow" $(RANGE_TESTS)
+
+# docs/architecture.md's picture of the package, drawn from the code (tests/test_docs.py checks it is current)
+architecture: $(VENV)/.installed
+	$(PY) tools/architecture.py
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(NEWEST) build *.egg-info
