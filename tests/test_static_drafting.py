@@ -117,7 +117,7 @@ def test_a_static_step_reads_nothing_back_until_its_verify_forward(cuda_rotary, 
         return draft(self)
 
     def counted_verify(self, trees):
-        prepared = self.speculation.prepared
+        prepared = self.prepared
         forward = prepared.verify
 
         def first(*args, **kwargs):

@@ -86,10 +86,10 @@ def test_draft_cost_times_each_tree_after_one_untimed_call_of_before(drafter):
 def test_exact_verification_is_timed_on_the_plain_weights_only(pair, drafter):
     target, _ = pair
     drafter.generation_config.verify_mode = "exact"
-    assert measure.verify_paths(target, drafter) == (False,)
+    assert measure.verify_paths(target, measure.settings_of(drafter)) == (False,)
     drafter.generation_config.verify_mode = SPECULATION_DEFAULTS["verify_mode"]
     packs = backend_for(target, True).name != "default"
-    assert measure.verify_paths(target, drafter) == ((True, False) if packs else (False,))
+    assert measure.verify_paths(target, measure.settings_of(drafter)) == ((True, False) if packs else (False,))
 
 
 def test_speculation_settings_hold_for_the_block_and_are_restored_after_an_error(drafter):

@@ -27,7 +27,7 @@ from hf_eagle31.backends import backend_for
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.configuration import SpeculationSettings
 from hf_eagle31.drafting import DrafterState, DraftTree, Replay, draft_tree
-from hf_eagle31.generation import compiles_verify, eagle_verification, packs_weights, verify_mode
+from hf_eagle31.generation import checked_verify_mode, compiles_verify, eagle_verification, on_cpu_backend
 from hf_eagle31.modeling import Eagle3DraftModel, Products
 from hf_eagle31.tuning.predict import TuningReport, non_decreasing, rank_candidates
 from hf_eagle31.verify_plan import VerifyPlan
@@ -148,10 +148,10 @@ def settings_of(drafter: Eagle3DraftModel) -> SpeculationSettings:
     return SpeculationSettings.of(drafter.generation_config)
 
 
-def verify_paths(target: PreTrainedModel, drafter: Eagle3DraftModel) -> tuple[bool, ...]:
+def verify_paths(target: PreTrainedModel, settings: SpeculationSettings) -> tuple[bool, ...]:
     """The verify paths tuning compares, as `pack_weights` values: the CPU backend where it serves the target (not
     under "exact" verification, which computes on the plain weights), and the default backend."""
-    return (True, False) if backend_for(target, True).name != "default" and verify_mode(settings_of(drafter)) != "exact" \
+    return (True, False) if backend_for(target, True).name != "default" and settings.verify_mode != "exact" \
         else (False,)
 
 
@@ -185,7 +185,9 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     """
     device, vocab = target.device, target.config.get_text_config().vocab_size
     verify, draft, plain = {}, {}, {}
-    pack = packs_weights(settings_of(drafter)) if pack is None else pack
+    settings = settings_of(drafter)
+    pack = on_cpu_backend(settings) if pack is None else pack
+    compiled = compiles_verify(settings, pack)
 
     def block_cost(cache: DynamicCache, batch: int, n: int, verify) -> float:
         tokens = torch.randint(3, vocab, (batch, n), device=device)
@@ -208,7 +210,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), **{CACHE_KWARG: cache})
             plain[batch] = block_cost(cache, batch, 1, plain_verify)  # the target's own weights: a plain step
             # as decoding does: this backend's verify forward and products
-            _, verify_on = backend.target_forwards(target, layer_ids, compiles_verify(settings_of(drafter), pack))
+            _, verify_on = backend.target_forwards(target, layer_ids, compiled)
             verify[batch] = {n: block_cost(cache, batch, n, verify_on) for n in BATCH_BLOCK_SIZES}
             products = backend.products(drafter)
             draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target, products)
@@ -280,8 +282,9 @@ def choose_tree_shape(
     and `max_tokens` tokens (a chain of `max_depth` for k = 1), see `calibrate`.
     """
     sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
-    mode = verify_mode(settings_of(drafter))
-    paths = verify_paths(target, drafter)
+    settings = settings_of(drafter)
+    mode = checked_verify_mode(settings)
+    paths = verify_paths(target, settings)
     layer_ids = drafter.config.target_layer_ids
     # Why passes: a shared CPU drifts in speed over seconds, both ways (a neighbour's load comes and goes), so each
     # cost is its median over passes in different minutes: one pass's slow or fast minute at one size does not bend
@@ -293,7 +296,7 @@ def choose_tree_shape(
         curves, drafts = {}, {}
         for pack in paths:
             curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
-                                             compiled=compiles_verify(settings_of(drafter), pack))
+                                             compiled=compiles_verify(settings, pack))
             backend = backend_for(target, pack)
             products, replay = backend.products(drafter), backend.draft_replay(drafter)
             # every width a candidate drafts (a family's smaller trees are narrower); narrowed, and static where the
