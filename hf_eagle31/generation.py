@@ -90,14 +90,6 @@ def drafting_dtype(target: PreTrainedModel) -> torch.dtype:
     return torch.bfloat16 if fast_bf16(target.device) else target.dtype
 
 
-def depth_controller(settings: SpeculationSettings, tree_depth: int) -> DepthController:
-    """Drafts start `tree_depth` deep; with `dynamic_speculation` the depth then moves within 1..max_speculation_depth
-    (never below the start's own bound), else it stays."""
-    if not settings.dynamic_speculation:
-        return DepthController(min_depth=tree_depth, max_depth=tree_depth, depth=tree_depth)
-    return DepthController(min_depth=1, max_depth=max(tree_depth, settings.max_speculation_depth), depth=tree_depth)
-
-
 @dataclass
 class _Verifying:
     """What EAGLE switched on in one target for its calls in flight (see `eagle_verification`)."""
@@ -254,37 +246,34 @@ def check_inputs(target: PreTrainedModel, input_ids: torch.Tensor, generation_co
                          "use the default dynamic cache for batches and sliding-window targets")
 
 
-def draft_shape(settings: SpeculationSettings, batch_size: int, do_sample: bool) -> tuple[str, int, int, int] | None:
-    """How a call with `batch_size` prompts drafts, as (speculation_mode, tree_top_k, tree_depth, tree_total_tokens):
-    the drafter's own chain or tree settings, or the shape tuned for this kind of call
-    (`SpeculationSettings.tuned_shape`); None where tuning predicted that no shape pays for it (plain decoding then)."""
-    shape = settings.tuned_shape(batch_size, do_sample)
-    if shape is not None:
-        if shape.speedup < 1.0:
-            return None
-        return ("chain" if shape.tree_top_k == 1 else "tree", shape.tree_top_k, shape.tree_depth,
-                shape.tree_total_tokens)
-    if settings.speculation_mode == "chain":
-        return "chain", 1, settings.num_assistant_tokens, settings.tree_total_tokens
-    return "tree", settings.tree_top_k, settings.tree_depth, settings.tree_total_tokens
-
-
 def speculation_plan(target: PreTrainedModel, drafter: Eagle3DraftModel, settings: SpeculationSettings,
                      input_ids: torch.Tensor, generation_config: GenerationConfig,
                      model_kwargs: dict) -> Speculation | None:
-    """How this call drafts and verifies, decided once before it starts; None: plain decoding (`draft_shape`).
+    """How this call drafts and verifies, decided once before it starts: the drafter's chain or tree settings, or the
+    shape tuned for this kind of call (`SpeculationSettings.tuned_shape`); None where tuning predicted that no shape
+    pays for it (plain decoding then).
 
-    Where transformers would compile plain decoding (a static cache and `compile_config`), "batched" verification
-    runs the target's compiled call on blocks of one fixed size, whole trees (no `verify_chunk_depth`): one graph
-    a call."""
+    With `dynamic_speculation` the depth drafts start at moves within 1..max_speculation_depth (never below the
+    start's own bound), else it stays. Where transformers would compile plain decoding (a static cache and
+    `compile_config`), "batched" verification runs the target's compiled call on blocks of one fixed size, whole
+    trees (no `verify_chunk_depth`): one graph a call."""
     batch_size = input_ids.shape[0]
-    shape = draft_shape(settings, batch_size, bool(generation_config.do_sample))
-    if shape is None:
+    shape = settings.tuned_shape(batch_size, bool(generation_config.do_sample))
+    if shape is not None and shape.speedup < 1.0:
         return None
-    mode, tree_top_k, tree_depth, tree_total_tokens = shape
-    controller = depth_controller(settings, tree_depth)
+    if shape is not None:
+        mode = "chain" if shape.tree_top_k == 1 else "tree"
+        tree_top_k, tree_depth, tree_total_tokens = shape.tree_top_k, shape.tree_depth, shape.tree_total_tokens
+    elif settings.speculation_mode == "chain":
+        mode, tree_top_k, tree_depth, tree_total_tokens = "chain", 1, settings.num_assistant_tokens, None
+    else:
+        mode, tree_top_k, tree_depth = "tree", settings.tree_top_k, settings.tree_depth
+        tree_total_tokens = settings.tree_total_tokens
+    max_depth = max(tree_depth, settings.max_speculation_depth) if settings.dynamic_speculation else tree_depth
+    controller = DepthController(min_depth=1 if settings.dynamic_speculation else tree_depth, max_depth=max_depth,
+                                 depth=tree_depth)
     if tree_top_k == 1:
-        tree_total_tokens = controller.max_depth  # a chain keeps every node it drafts
+        tree_total_tokens = max_depth  # a chain keeps every node it drafts
     monitor = CollapseMonitor(enabled=settings.collapse_fallback)
     if batch_size > 1:
         monitor.plain_left = 1  # time a plain step of this batch first: it is what speculation must beat
@@ -293,10 +282,12 @@ def speculation_plan(target: PreTrainedModel, drafter: Eagle3DraftModel, setting
     if verify_mode == "batched" and target._valid_auto_compile_criteria(model_kwargs, generation_config):
         compiled = target.get_compiled_call(generation_config.compile_config)  # as plain decoding compiles
     cpu_backend = on_cpu_backend(settings)
-    return Speculation(mode, tree_top_k, tree_total_tokens, controller, monitor,
-                      None if compiled else settings.verify_chunk_depth, verify_mode, cpu_backend,
-                      compiles_verify(settings, cpu_backend), drafts_static(settings, drafter.device), compiled,
-                      tree_total_tokens + 1 if compiled else 0)
+    return Speculation(mode=mode, tree_top_k=tree_top_k, tree_total_tokens=tree_total_tokens, controller=controller,
+                       monitor=monitor, verify_chunk_depth=None if compiled else settings.verify_chunk_depth,
+                       verify_mode=verify_mode, cpu_backend=cpu_backend,
+                       compile_verify=compiles_verify(settings, cpu_backend),
+                       static_draft=drafts_static(settings, drafter.device), compiled=compiled,
+                       block_size=tree_total_tokens + 1 if compiled else 0)
 
 
 def prepared_for(target: PreTrainedModel, drafter: Eagle3DraftModel | None, speculation: Speculation) -> Prepared:
@@ -402,7 +393,8 @@ def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_pr
 def plain_speculation() -> Speculation:
     """`fast_decoding`'s plan: no drafts, "batched" verify forwards of one token, on the CPU backend where it serves
     the target (as with `cpu_backend=True`), never compiled."""
-    return Speculation("plain", 1, 1, DepthController(1, 1, 1), CollapseMonitor(enabled=False), None, "batched",
+    return Speculation(mode="plain", tree_top_k=1, tree_total_tokens=1, controller=DepthController(1, 1, 1),
+                       monitor=CollapseMonitor(enabled=False), verify_chunk_depth=None, verify_mode="batched",
                        cpu_backend=True, compile_verify=False, static_draft=False)
 
 
