@@ -40,7 +40,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_eagle31.acceptance import accept_or_resample, children_by_token, pick_token, walk
-from hf_eagle31.cache import compact_cache, draft_room
+from hf_eagle31.cache import compact_cache, draft_budget
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.control import CollapseMonitor, DepthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
@@ -257,11 +257,11 @@ class EagleLoop:
         self.leave()
 
     def draft(self) -> tuple[list[DraftTree], bool]:
-        """Each row's draft tree (a root alone where drafting does not pay now or no room is left), and whether
-        this step speculates."""
-        speculation, room = self.speculation, draft_room(self.cache)
+        """Each row's draft tree (a root alone where drafting does not pay now or the cache takes no draft), and
+        whether this step speculates."""
+        speculation, budget = self.speculation, draft_budget(self.cache)
         longest = max(row.sequence.shape[1] for row in self.rows)
-        tree_depth = min(draft_depth(speculation.controller.tree_depth, longest, self.config.max_length), room)
+        tree_depth = min(draft_depth(speculation.controller.tree_depth, longest, self.config.max_length), budget)
         speculate = self.state is not None and speculation.monitor.should_speculate()
         roots = torch.cat([row.sequence[0, -1:] for row in self.rows])
         if not (speculate and tree_depth > 0):
@@ -269,7 +269,7 @@ class EagleLoop:
         temperature = float(self.config.temperature or 1.0) if self.do_sample else None
         with torch.autocast(roots.device.type, enabled=False):  # the drafter in its own dtype, whatever the user's
             return draft_tree(self.state, roots, tree_depth, speculation.tree_top_k,
-                              min(speculation.tree_total_tokens, room), temperature, speculation.static_draft), True
+                              min(speculation.tree_total_tokens, budget), temperature, speculation.static_draft), True
 
     def verify(self, trees: list[DraftTree]) -> list[RowStep]:
         """Verify every row's tree, chunk by chunk, and walk it; the cache keeps the walked nodes, the drafter is fed
@@ -283,7 +283,7 @@ class EagleLoop:
         while any(step.next_root is not None for step in steps):
             blocks = [empty if step.next_root is None else subtree(tree, step.next_root, speculation.verify_chunk_depth)
                       for tree, step in zip(trees, steps)]
-            fixed = speculation.compiled is not None and speculation.block_size - 1 <= draft_room(cache)
+            fixed = speculation.compiled is not None and speculation.block_size - 1 <= draft_budget(cache)
             tokens, positions, mask = _block(trees, ancestors, blocks, roots, self.pad,
                                              speculation.block_size if fixed else 0)
             plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, self.key_mask, self.input_ids.shape[1],
