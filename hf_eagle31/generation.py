@@ -19,7 +19,7 @@ from transformers.generation import GenerationMixin
 
 from hf_eagle31.backends import Prepared, backend_for, fast_bf16, prepare
 from hf_eagle31.compat import CACHE_KWARG
-from hf_eagle31.configuration import SPECULATION_DEFAULTS, SpeculationSettings, default_target_layer_ids
+from hf_eagle31.configuration import RENAMED_SETTINGS, SPECULATION_DEFAULTS, SpeculationSettings, default_target_layer_ids
 from hf_eagle31.control import CollapseMonitor, DepthController
 from hf_eagle31.decoding import Speculation, eagle_decoding
 from hf_eagle31.features import capturing_hooked, remove_capturing_hooks
@@ -42,7 +42,7 @@ def checked_verify_mode(settings: SpeculationSettings) -> str:
 def on_cpu_backend(settings: SpeculationSettings) -> bool:
     """Whether these settings' calls run on the CPU backend where it serves the target (hf_eagle31.backends): not
     under "exact" verification, which computes on the model's own weights."""
-    return settings.pack_weights and settings.verify_mode != "exact"
+    return settings.cpu_backend and settings.verify_mode != "exact"
 
 
 def compiles_verify(settings: SpeculationSettings, cpu_backend: bool) -> bool:
@@ -326,21 +326,24 @@ _KERNEL_WARNED: set[str] = set()
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
 
 
-# speculation settings a GenerationConfig does not have: in a call's generation config they were put there by hand
-NOT_GENERATE_SETTINGS = tuple(name for name in SPECULATION_DEFAULTS if name not in vars(GenerationConfig()))
+# speculation settings (and their old names) a GenerationConfig does not have: in a call's generation config they were
+# put there by hand
+NOT_GENERATE_SETTINGS = tuple(name for name in (*SPECULATION_DEFAULTS, *RENAMED_SETTINGS)
+                              if name not in vars(GenerationConfig()))
 
 
 def refuse_call_settings(kwargs: dict) -> None:
     """A speculation setting given to `generate` (a keyword, or an entry of its generation config) would be an unused
     model keyword to transformers, or silently ignored: name where it belongs instead (the drafter's generation
     config, which every call with that drafter reads)."""
-    given = [name for name in SPECULATION_DEFAULTS if name in kwargs]
+    given = [name for name in (*SPECULATION_DEFAULTS, *RENAMED_SETTINGS) if name in kwargs]
     if given:
-        name = given[0]
+        value, name = kwargs[given[0]], RENAMED_SETTINGS.get(given[0], given[0])
+        renamed = f" ({given[0]} is the old name of {name})" if name != given[0] else ""
         raise ValueError(
             f"{', '.join(given)}: speculation settings belong to the drafter, not to one generate() call; set "
-            f"drafter.generation_config.{name} = {kwargs[name]!r} (it stays for later calls), or load the drafter "
-            f"with Eagle3DraftModel.from_pretrained(path, {name}={kwargs[name]!r})")
+            f"drafter.generation_config.{name} = {value!r}{renamed} (it stays for later calls), or load the drafter "
+            f"with Eagle3DraftModel.from_pretrained(path, {name}={value!r})")
 
 
 CONTINUOUS_BATCHING_REFUSAL = (
@@ -392,7 +395,7 @@ def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_pr
 
 def plain_speculation() -> Speculation:
     """`fast_decoding`'s plan: no drafts, "batched" verify forwards of one token, on the CPU backend where it serves
-    the target (as with `cpu_backend=True`), never compiled."""
+    the target (as `cpu_backend=True` runs a drafter's), never compiled."""
     return Speculation(mode="plain", tree_top_k=1, tree_total_tokens=1, controller=DepthController(1, 1, 1),
                        monitor=CollapseMonitor(enabled=False), verify_chunk_depth=None, verify_mode="batched",
                        cpu_backend=True, compile_verify=False, static_draft=False)

@@ -106,7 +106,7 @@ def test_batch_costs_cover_every_batch_block_and_depth(pair, drafter, monkeypatc
     target, _ = pair
     monkeypatch.setattr(measure, "BATCH_BLOCK_SIZES", (1, 3))  # the default blocks: a slower test, not another one
     costs = measure.batch_costs(target, drafter, [1, 2], max_depth=2, batch_sizes=(2,), context=16, repeats=1,
-                                pack=False)
+                                cpu_backend=False)
     assert set(costs) == {"verify_seconds", "draft_seconds", "plain_seconds"}
     assert list(costs["verify_seconds"][2]) == [1, 3] and costs["plain_seconds"][2] > 0
     assert {k: list(depths) for k, depths in costs["draft_seconds"][2].items()} == {1: [1, 2], 2: [1, 2]}
