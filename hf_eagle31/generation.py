@@ -19,7 +19,12 @@ from transformers.generation import GenerationMixin
 
 from hf_eagle31.backends import Prepared, backend_for, fast_bf16, prepare
 from hf_eagle31.compat import CACHE_KWARG
-from hf_eagle31.configuration import RENAMED_SETTINGS, SPECULATION_DEFAULTS, SpeculationSettings, default_target_layer_ids
+from hf_eagle31.configuration import (
+    RENAMED_SETTINGS,
+    SPECULATION_DEFAULTS,
+    SpeculationSettings,
+    default_target_layer_ids,
+)
 from hf_eagle31.control import CollapseMonitor, DepthController
 from hf_eagle31.decoding import Speculation, eagle_decoding
 from hf_eagle31.features import capturing_hooked, remove_capturing_hooks

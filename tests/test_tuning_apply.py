@@ -109,7 +109,8 @@ def test_tune_batch_sizes_adds_the_batched_costs_and_stores_their_shapes(pair, d
     del report["batch_costs"]
     tuned = tune_batch_sizes(target, drafter, report, batch_sizes=(2,))
     (args, kwargs), = calls
-    assert args[2:] == ([1, 4], apply.BATCH_MAX_DEPTH, (2,)) and kwargs == {"pack": False}  # the families calibrated
+    assert args[2:] == ([1, 4], apply.BATCH_MAX_DEPTH, (2,))  # the families calibrated
+    assert kwargs == {"cpu_backend": False}
     assert tuned["batch_costs"] == BATCH_COSTS and tuned["choice"] == report["choice"] and "batch_costs" not in report
     assert drafter.generation_config.batch_shapes["2"]["tree_depth"] == 3
 
