@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModel
 from hf_eagle31.configuration import Eagle3Config
 from hf_eagle31.generation import drafting_dtype, fast_decoding, install
 from hf_eagle31.modeling import Eagle3DraftModel, route_auto_classes
-from hf_eagle31.backends.cpu.products import packed_weights
+from hf_eagle31.backends.cpu.products import hold_products, packed_weights  # packed_weights: the old name
 from hf_eagle31.stats import SpeculationStats
 
 AutoConfig.register(Eagle3Config.model_type, Eagle3Config)
@@ -22,4 +22,4 @@ route_auto_classes()
 install()
 
 __version__ = "0.1.0"
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats", "drafting_dtype", "fast_decoding", "packed_weights"]
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "SpeculationStats", "drafting_dtype", "fast_decoding", "hold_products"]

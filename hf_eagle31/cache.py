@@ -1,5 +1,6 @@
 """Cache surgery: rolling a target's or drafter's KV cache back, compacting the accepted entries of a verify block,
-and how much room a static cache has left. Everything EAGLE does to a transformers `Cache` beyond `update`."""
+and how many draft nodes a static cache still takes (`draft_budget`). Everything EAGLE does to a transformers `Cache`
+beyond `update`."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def static_capacity(cache: Cache) -> int | None:
     return min(static) if static else None
 
 
-def draft_room(cache: Cache) -> int:
+def draft_budget(cache: Cache) -> int:
     """How many draft nodes still fit after the root: a static cache holds `static_capacity` tokens, a dynamic one
     grows."""
     capacity = static_capacity(cache)

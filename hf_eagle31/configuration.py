@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ SPECULATION_DEFAULTS: dict[str, Any] = {
     "verify_mode": "batched",
     # on a CPU, the CPU backend (hf_eagle31/backends/cpu): products for a few rows at the memory's rate, held beside
     # the models; verifying a few tokens then costs about one plain step; not with "exact" verification
-    "pack_weights": True,
+    "cpu_backend": True,
     # on the CPU backend, a Llama-family target's verify forward compiled by inductor (backends/cpu/lean.py):
     # cheaper, after a first call that compiles for minutes (and again, for less, in each new process)
     "compile_verify": False,
@@ -42,7 +43,42 @@ POSITIVE_SETTINGS = {"num_assistant_tokens": 64, "tree_depth": 64, "tree_top_k":
 VERIFY_MODES = ("batched", "kernel", "exact")
 DRAFT_MODES = ("auto", "narrowed", "static")
 CHOICES = {"speculation_mode": ("chain", "tree"), "verify_mode": VERIFY_MODES, "draft_mode": DRAFT_MODES}
-SWITCHES = ("dynamic_speculation", "collapse_fallback", "pack_weights", "compile_verify")
+SWITCHES = ("dynamic_speculation", "collapse_fallback", "cpu_backend", "compile_verify")
+# renamed settings, old name -> new name: the old one is still read, with a FutureWarning, until hf_eagle31 0.2
+RENAMED_SETTINGS = {"pack_weights": "cpu_backend"}
+
+
+def _warn_renamed(old: str, new: str, where: str) -> None:
+    warnings.warn(f"the speculation setting {old} ({where}) is now called {new}, the same setting; {old} is read as "
+                  f"{new} until hf_eagle31 0.2, which drops it: set {new} instead", FutureWarning, stacklevel=4)
+
+
+def with_new_names(settings: dict[str, Any], where: str) -> dict[str, Any]:
+    """`settings` (given to `from_pretrained`, or saved in `where`) with each renamed one under its new name, said
+    with a FutureWarning; the old and the new name of one setting at once is an error."""
+    settings = dict(settings)
+    for old, new in RENAMED_SETTINGS.items():
+        if old in settings:
+            if new in settings:
+                raise ValueError(f"{where} gives both {old}={settings[old]!r} and {new}={settings[new]!r}: {old} is "
+                                 f"the old name of {new}; give {new} alone")
+            _warn_renamed(old, new, where)
+            settings[new] = settings.pop(old)
+    return settings
+
+
+def _move_renamed(config) -> None:
+    """A renamed setting set on a generation config by its old name moves to its new name (said with a
+    FutureWarning), replacing the new one's value: a drafter's config always holds the new name (its default
+    included), so the old one is the one set by hand."""
+    for old, new in RENAMED_SETTINGS.items():
+        value = vars(config).pop(old, _UNSET)
+        if value is not _UNSET:
+            _warn_renamed(old, new, "set on a generation config")
+            setattr(config, new, value)
+
+
+_UNSET = object()
 
 
 def _checked(config, name: str) -> Any:
@@ -100,7 +136,7 @@ class SpeculationSettings:
     collapse_fallback: bool
     verify_chunk_depth: int | None
     verify_mode: str
-    pack_weights: bool
+    cpu_backend: bool
     compile_verify: bool
     draft_mode: str
     sampling_shape: TunedShape | None = None  # tuned for do_sample=True with one prompt
@@ -108,7 +144,9 @@ class SpeculationSettings:
 
     @classmethod
     def of(cls, config) -> SpeculationSettings:
-        """The settings a generation config holds (defaults where unset), each checked."""
+        """The settings a generation config holds (defaults where unset), each checked; one set by its old name moves
+        to its new name (`RENAMED_SETTINGS`)."""
+        _move_renamed(config)
         shapes = getattr(config, "batch_shapes", None) or {}
         return cls(**{name: _checked(config, name) for name in SPECULATION_DEFAULTS},
                    sampling_shape=TunedShape.parse(getattr(config, "sampling_shape", None), "sampling_shape"),

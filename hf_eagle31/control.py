@@ -13,26 +13,26 @@ from dataclasses import dataclass
 logger = logging.getLogger("hf_eagle31")
 
 
-def draft_depth(wanted: int, length: int, max_length: int) -> int:
-    """How deep to draft after a sequence of `length` tokens: `wanted`, but no draft token at position
+def draft_depth(tree_depth: int, length: int, max_length: int) -> int:
+    """How deep to draft after a sequence of `length` tokens: `tree_depth`, but no draft token at position
     `max_length - 1` or later (it could not be emitted), a position plain decoding never computes
     and a target with learned positions (GPT-2, OPT) may have no embedding for."""
-    return min(wanted, max_length - length - 1)
+    return min(tree_depth, max_length - length - 1)
 
 
 @dataclass
-class LengthController:
-    """A PID controller on the recent hit rate (accepted / proposed draft depth).
+class DepthController:
+    """A PID controller of the tree depth (a chain's length) on the recent hit rate (accepted / proposed depth).
 
     Deep drafts are cheap when they are accepted and wasted when they are not: the controller
-    lengthens the draft while the hit rate stays above `setpoint` and shortens it when it drops,
-    always within `[low, high]`. It is deterministic: the same acceptance history gives the same
-    lengths.
+    deepens the draft while the hit rate stays above `setpoint` and makes it shallower when it drops,
+    always within `[min_depth, max_depth]`. It is deterministic: the same acceptance history gives the
+    same depths.
     """
 
-    low: int
-    high: int
-    value: float
+    min_depth: int
+    max_depth: int
+    depth: float  # where the controller stands; drafts are `tree_depth` deep
     setpoint: float = 0.6
     kp: float = 2.0
     ki: float = 0.2
@@ -42,18 +42,18 @@ class LengthController:
     previous_error: float = 0.0
 
     @property
-    def length(self) -> int:
-        return int(round(self.value))
+    def tree_depth(self) -> int:
+        return int(round(self.depth))
 
     def update(self, proposed: int, accepted: int) -> int:
         if proposed <= 0:
-            return self.length
+            return self.tree_depth
         error = accepted / proposed - self.setpoint
         self.integral = max(-self.integral_limit, min(self.integral_limit, self.integral + error))
         delta = self.kp * error + self.ki * self.integral + self.kd * (error - self.previous_error)
         self.previous_error = error
-        self.value = max(float(self.low), min(float(self.high), self.value + delta))
-        return self.length
+        self.depth = max(float(self.min_depth), min(float(self.max_depth), self.depth + delta))
+        return self.tree_depth
 
 
 @dataclass

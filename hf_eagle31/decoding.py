@@ -40,9 +40,9 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_eagle31.acceptance import accept_or_resample, children_by_token, pick_token, walk
-from hf_eagle31.cache import compact_cache, draft_room
+from hf_eagle31.cache import compact_cache, draft_budget
 from hf_eagle31.compat import CACHE_KWARG
-from hf_eagle31.control import CollapseMonitor, LengthController, draft_depth
+from hf_eagle31.control import CollapseMonitor, DepthController, draft_depth
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -54,21 +54,24 @@ if TYPE_CHECKING:  # the routing hands the loop a backend's `Prepared`; the loop
     from hf_eagle31.backends import Prepared
 
 
-@dataclass
+@dataclass(frozen=True)
 class Speculation:
-    """How one call drafts and verifies (generation.py reads it from the drafter's generation config)."""
+    """How one call drafts and verifies, decided once before it starts (generation.py's `speculation_plan`, from the
+    drafter's settings and the call) and named as the settings name it. The two state objects change as the call
+    decodes; which objects they are does not."""
 
-    mode: str  # "chain" or "tree", for the stats
-    top_k: int  # 1: a chain
-    total_tokens: int  # draft nodes kept per tree
-    controller: LengthController  # the draft depth
-    monitor: CollapseMonitor  # whether drafting pays
-    chunk_depth: int | None  # levels per verify forward, None: the whole tree
+    mode: str  # "chain", "tree" or "plain" (fast_decoding): `speculation_mode`, for the stats
+    tree_top_k: int  # 1: a chain
+    tree_total_tokens: int  # draft nodes kept per tree
+    controller: DepthController  # the tree depth, moved with acceptance where `dynamic_speculation`
+    monitor: CollapseMonitor  # whether drafting pays (`collapse_fallback`)
+    verify_chunk_depth: int | None  # levels per verify forward, None: the whole tree
     verify_mode: str  # VerifyPlan's mode
+    cpu_backend: bool  # on the CPU backend where it serves the target (hf_eagle31.backends)
+    compile_verify: bool  # on the CPU backend, with the compiled lean verify forward
+    static_draft: bool  # fixed-shape drafts (`draft_tree`'s `static`), replayed where the backend can
     compiled: Callable | None = None  # the target's compiled call (static cache, compile_config)
     block_size: int = 0  # with `compiled`: every verify block padded to this many tokens, one graph per call
-    prepared: Prepared | None = None  # the call's device backend: its verify forward and the drafter's products
-    static_draft: bool = False  # fixed-shape drafts (`draft_tree`'s `static`), replayed where the backend can
 
 
 @dataclass
@@ -170,8 +173,8 @@ class EagleLoop:
 
     def __init__(self, model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                  generation_config: GenerationConfig, drafter: Eagle3DraftModel | None, speculation: Speculation,
-                 streamer=None, **model_kwargs):
-        self.input_ids, self.speculation = input_ids, speculation
+                 prepared: Prepared, streamer=None, **model_kwargs):
+        self.input_ids, self.speculation, self.prepared = input_ids, speculation, prepared
         self.processors, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
         self.config, self.model_kwargs = generation_config, model_kwargs
         self.batch_size = input_ids.shape[0]
@@ -191,8 +194,8 @@ class EagleLoop:
         self.finished: list[Row] = []
         self.state = None
         if drafter is not None:
-            prepared = speculation.prepared
-            capacity = input_ids.shape[1] + 256 + speculation.controller.high * speculation.top_k  # grows by doubling
+            drafted = speculation.controller.max_depth * speculation.tree_top_k  # the most draft nodes a step feeds
+            capacity = input_ids.shape[1] + 256 + drafted  # grows by doubling
             self.state = DrafterState(drafter, self.batch_size, prepared.draft_products, capacity,
                                       prepared.draft_replay if speculation.static_draft else None)
         self.key_mask: torch.Tensor | None = None  # [B, cached]: False for a pad, later also for a hole
@@ -235,7 +238,7 @@ class EagleLoop:
         self.key_mask = attention_mask.bool()
         self.padded = not bool(self.key_mask.all())
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(~self.key_mask, 0)
-        out = self.speculation.prepared.forward(input_ids=input_ids[:, start:], attention_mask=attention_mask,
+        out = self.prepared.forward(input_ids=input_ids[:, start:], attention_mask=attention_mask,
                          position_ids=positions[:, start:], use_cache=True, **{CACHE_KWARG: cache},
                          output_hidden_states=capture_request(self.layer_ids), logits_to_keep=1)
         features = select_features(out.hidden_states, self.layer_ids)
@@ -254,19 +257,19 @@ class EagleLoop:
         self.leave()
 
     def draft(self) -> tuple[list[DraftTree], bool]:
-        """Each row's draft tree (a root alone where drafting does not pay now or no room is left), and whether
-        this step speculates."""
-        speculation, room = self.speculation, draft_room(self.cache)
-        depth = min(draft_depth(speculation.controller.length, max(row.sequence.shape[1] for row in self.rows),
-                                self.config.max_length), room)
+        """Each row's draft tree (a root alone where drafting does not pay now or the cache takes no draft), and
+        whether this step speculates."""
+        speculation, budget = self.speculation, draft_budget(self.cache)
+        longest = max(row.sequence.shape[1] for row in self.rows)
+        tree_depth = min(draft_depth(speculation.controller.tree_depth, longest, self.config.max_length), budget)
         speculate = self.state is not None and speculation.monitor.should_speculate()
         roots = torch.cat([row.sequence[0, -1:] for row in self.rows])
-        if not (speculate and depth > 0):
+        if not (speculate and tree_depth > 0):
             return [DraftTree.root_only(root) for root in roots], speculate
         temperature = float(self.config.temperature or 1.0) if self.do_sample else None
         with torch.autocast(roots.device.type, enabled=False):  # the drafter in its own dtype, whatever the user's
-            return draft_tree(self.state, roots, depth, speculation.top_k, min(speculation.total_tokens, room),
-                              temperature, speculation.static_draft), True
+            return draft_tree(self.state, roots, tree_depth, speculation.tree_top_k,
+                              min(speculation.tree_total_tokens, budget), temperature, speculation.static_draft), True
 
     def verify(self, trees: list[DraftTree]) -> list[RowStep]:
         """Verify every row's tree, chunk by chunk, and walk it; the cache keeps the walked nodes, the drafter is fed
@@ -278,15 +281,15 @@ class EagleLoop:
         steps = [RowStep() for _ in self.rows]
         empty = torch.zeros(0, dtype=torch.long, device=trees[0].tokens.device)
         while any(step.next_root is not None for step in steps):
-            blocks = [empty if step.next_root is None else subtree(tree, step.next_root, speculation.chunk_depth)
+            blocks = [empty if step.next_root is None else subtree(tree, step.next_root, speculation.verify_chunk_depth)
                       for tree, step in zip(trees, steps)]
-            fixed = speculation.compiled is not None and speculation.block_size - 1 <= draft_room(cache)
+            fixed = speculation.compiled is not None and speculation.block_size - 1 <= draft_budget(cache)
             tokens, positions, mask = _block(trees, ancestors, blocks, roots, self.pad,
                                              speculation.block_size if fixed else 0)
             plan = VerifyPlan.for_cache(mask, cache, speculation.verify_mode, self.key_mask, self.input_ids.shape[1],
                                         self.batch_size, (self.padded, self.holed))
-            logits, features = speculation.prepared.verify(cache, plan, tokens, positions,
-                                                           speculation.compiled if fixed else None)
+            logits, features = self.prepared.verify(cache, plan, tokens, positions,
+                                                    speculation.compiled if fixed else None)
             children = children or [children_by_token(tree) for tree in trees]
             kept = [empty if step.next_root is None else
                     self.walk(b, trees[b], children[b], step, block, logits[b],
@@ -382,11 +385,11 @@ class EagleLoop:
 @torch.no_grad()
 def eagle_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                    generation_config: GenerationConfig, drafter: Eagle3DraftModel | None, speculation: Speculation,
-                   streamer=None, **model_kwargs):
-    """Decode every row of `input_ids` `[B, L]` with EAGLE drafts (none without a drafter: `fast_decoding`); the output
-    equals plain `generate`'s, row for row.
+                   prepared: Prepared, streamer=None, **model_kwargs):
+    """Decode every row of `input_ids` `[B, L]` with EAGLE drafts (none without a drafter: `fast_decoding`) as
+    `speculation` plans, on what `prepared` runs; the output equals plain `generate`'s, row for row.
 
-    Runs inside `eagle_verification(model)` (the `generate` routing takes care of it).
+    Runs inside `eagle_verification(model)`, where `prepared` was made (the `generate` routing takes care of both).
     """
     return EagleLoop(model, input_ids, logits_processor, stopping_criteria, generation_config, drafter, speculation,
-                     streamer, **model_kwargs).run()
+                     prepared, streamer, **model_kwargs).run()

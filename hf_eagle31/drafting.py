@@ -222,7 +222,7 @@ class Frontier:
     """The nodes a tree level expands, per row, best first (each tensor `[B, w, ...]`)."""
 
     pool: torch.Tensor  # [B, w] their indices in the candidate pool
-    scores: torch.Tensor  # [B, w] log of the product of draft probabilities along their paths
+    scores: torch.Tensor  # [B, w] the sum of log draft probabilities along their paths
     ids: torch.Tensor  # [B, w] draft-vocabulary ids
     hidden: torch.Tensor  # [B, w, H] the drafter states they feed back
     ancestry: torch.Tensor  # [B, w, m] which of the m nodes drafted since the catch-up each descends from
@@ -252,7 +252,7 @@ class Frontier:
 class Pool:
     """Every node a draft expanded, per row `[B, P, ...]`, in level order (parents before children)."""
 
-    scores: torch.Tensor  # [B, P] log of the product of draft probabilities along each node's path
+    scores: torch.Tensor  # [B, P] the sum of log draft probabilities along each node's path
     ids: torch.Tensor  # [B, P] draft-vocabulary ids
     parents: torch.Tensor  # [B, P] the parent's pool index, -1 for the root's children
     depths: torch.Tensor  # [P] each node's depth below the root (the same in every row)
@@ -270,7 +270,7 @@ def draft_tree(
     `total_tokens` (`top_k` capped at `total_tokens`: `drafting_width`). `roots` `[B]` are the rows' last
     accepted tokens.
 
-    A node's score is the log of the product of draft probabilities along its path. Each level is one
+    A node's score is the sum of log draft probabilities along its path. Each level is one
     drafter forward over every row's frontier, with a tail mask letting each frontier node see the
     accepted prefix, its own ancestors and itself. Every expanded child joins the candidate pool, so
     the final tree may hold leaves that were never expanded.

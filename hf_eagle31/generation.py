@@ -8,19 +8,24 @@ hf_eagle31 wraps four `GenerationMixin` methods (`install`). Each wrapper acts o
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.generation import GenerationMixin
 
-from hf_eagle31.backends import backend_for, fast_bf16, prepare
+from hf_eagle31.backends import Prepared, backend_for, fast_bf16, prepare
 from hf_eagle31.compat import CACHE_KWARG
-from hf_eagle31.configuration import SPECULATION_DEFAULTS, SpeculationSettings, default_target_layer_ids
-from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.configuration import (
+    RENAMED_SETTINGS,
+    SPECULATION_DEFAULTS,
+    SpeculationSettings,
+    default_target_layer_ids,
+)
+from hf_eagle31.control import CollapseMonitor, DepthController
 from hf_eagle31.decoding import Speculation, eagle_decoding
 from hf_eagle31.features import capturing_hooked, remove_capturing_hooks
 from hf_eagle31.interrupts import Held
@@ -31,7 +36,7 @@ from hf_eagle31.exact import OwnForwardByPosition
 from hf_eagle31.verification import UnsupportedTargetError, has_sliding_window, verifying_attention
 
 
-def verify_mode(settings: SpeculationSettings) -> str:
+def checked_verify_mode(settings: SpeculationSettings) -> str:
     """How verify forwards are computed: "batched", "kernel" or "exact" (see `VerifyPlan`); "kernel" asks for the
     Triton kernel, whose missing extra is named before any work."""
     if settings.verify_mode == "kernel":
@@ -39,15 +44,16 @@ def verify_mode(settings: SpeculationSettings) -> str:
     return settings.verify_mode
 
 
-def packs_weights(settings: SpeculationSettings) -> bool:
-    """Whether these settings' calls run on the CPU backend where it serves the target (hf_eagle31.backends)."""
-    return settings.pack_weights and verify_mode(settings) != "exact"
+def on_cpu_backend(settings: SpeculationSettings) -> bool:
+    """Whether these settings' calls run on the CPU backend where it serves the target (hf_eagle31.backends): not
+    under "exact" verification, which computes on the model's own weights."""
+    return settings.cpu_backend and settings.verify_mode != "exact"
 
 
-def compiles_verify(settings: SpeculationSettings, pack: bool | None = None) -> bool:
-    """Whether these settings' calls verify with the compiled lean forward where the target takes the lean one: only
-    on the CPU backend, the settings' own `pack_weights` unless `pack` names one (tuning times both)."""
-    return settings.compile_verify and (packs_weights(settings) if pack is None else pack)
+def compiles_verify(settings: SpeculationSettings, cpu_backend: bool) -> bool:
+    """Whether a call on the CPU backend or not (`cpu_backend`: the settings' own, or one tuning times) verifies with
+    the compiled lean forward where the target takes the lean one: only on the CPU backend."""
+    return settings.compile_verify and cpu_backend
 
 
 def prepare_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel) -> None:
@@ -87,12 +93,6 @@ def drafting_dtype(target: PreTrainedModel) -> torch.dtype:
     bytes is most of half the time (docs/benchmarks.md), and the target verifies every draft, so the output does
     not depend on it."""
     return torch.bfloat16 if fast_bf16(target.device) else target.dtype
-
-
-def _length_controller(settings: SpeculationSettings, start: int) -> LengthController:
-    if not settings.dynamic_speculation:
-        return LengthController(low=start, high=start, value=start)
-    return LengthController(low=1, high=max(start, settings.max_speculation_depth), value=start)
 
 
 @dataclass
@@ -251,26 +251,54 @@ def check_inputs(target: PreTrainedModel, input_ids: torch.Tensor, generation_co
                          "use the default dynamic cache for batches and sliding-window targets")
 
 
-def speculation_for(settings: SpeculationSettings, batch_size: int, do_sample: bool = False) -> Speculation | None:
-    """How a call with `batch_size` prompts drafts: the drafter's speculation settings, or the shape tuned for
-    this kind of call (`SpeculationSettings.tuned_shape`); None where tuning predicted that no shape pays for it
-    (plain decoding then)."""
-    mode, top_k, depth, total = (settings.speculation_mode, settings.tree_top_k, settings.tree_depth,
-                                 settings.tree_total_tokens)
-    if mode == "chain":
-        top_k, depth = 1, settings.num_assistant_tokens
-    shape = settings.tuned_shape(batch_size, do_sample)
+def speculation_plan(target: PreTrainedModel, drafter: Eagle3DraftModel, settings: SpeculationSettings,
+                     input_ids: torch.Tensor, generation_config: GenerationConfig,
+                     model_kwargs: dict) -> Speculation | None:
+    """How this call drafts and verifies, decided once before it starts: the drafter's chain or tree settings, or the
+    shape tuned for this kind of call (`SpeculationSettings.tuned_shape`); None where tuning predicted that no shape
+    pays for it (plain decoding then).
+
+    With `dynamic_speculation` the depth drafts start at moves within 1..max_speculation_depth (never below the
+    start's own bound), else it stays. Where transformers would compile plain decoding (a static cache and
+    `compile_config`), "batched" verification runs the target's compiled call on blocks of one fixed size, whole
+    trees (no `verify_chunk_depth`): one graph a call."""
+    batch_size = input_ids.shape[0]
+    shape = settings.tuned_shape(batch_size, bool(generation_config.do_sample))
+    if shape is not None and shape.speedup < 1.0:
+        return None
     if shape is not None:
-        if shape.speedup < 1.0:
-            return None
         mode = "chain" if shape.tree_top_k == 1 else "tree"
-        top_k, depth, total = shape.tree_top_k, shape.tree_depth, shape.tree_total_tokens
-    controller = _length_controller(settings, depth)
+        tree_top_k, tree_depth, tree_total_tokens = shape.tree_top_k, shape.tree_depth, shape.tree_total_tokens
+    elif settings.speculation_mode == "chain":
+        mode, tree_top_k, tree_depth, tree_total_tokens = "chain", 1, settings.num_assistant_tokens, None
+    else:
+        mode, tree_top_k, tree_depth = "tree", settings.tree_top_k, settings.tree_depth
+        tree_total_tokens = settings.tree_total_tokens
+    max_depth = max(tree_depth, settings.max_speculation_depth) if settings.dynamic_speculation else tree_depth
+    controller = DepthController(min_depth=1 if settings.dynamic_speculation else tree_depth, max_depth=max_depth,
+                                 depth=tree_depth)
+    if tree_top_k == 1:
+        tree_total_tokens = max_depth  # a chain keeps every node it drafts
     monitor = CollapseMonitor(enabled=settings.collapse_fallback)
     if batch_size > 1:
         monitor.plain_left = 1  # time a plain step of this batch first: it is what speculation must beat
-    return Speculation(mode, top_k, controller.high if top_k == 1 else total, controller, monitor,
-                       settings.verify_chunk_depth, verify_mode(settings))
+    verify_mode = checked_verify_mode(settings)
+    compiled = None
+    if verify_mode == "batched" and target._valid_auto_compile_criteria(model_kwargs, generation_config):
+        compiled = target.get_compiled_call(generation_config.compile_config)  # as plain decoding compiles
+    cpu_backend = on_cpu_backend(settings)
+    return Speculation(mode=mode, tree_top_k=tree_top_k, tree_total_tokens=tree_total_tokens, controller=controller,
+                       monitor=monitor, verify_chunk_depth=None if compiled else settings.verify_chunk_depth,
+                       verify_mode=verify_mode, cpu_backend=cpu_backend,
+                       compile_verify=compiles_verify(settings, cpu_backend),
+                       static_draft=drafts_static(settings, drafter.device), compiled=compiled,
+                       block_size=tree_total_tokens + 1 if compiled else 0)
+
+
+def prepared_for(target: PreTrainedModel, drafter: Eagle3DraftModel | None, speculation: Speculation) -> Prepared:
+    """What the call runs on: the backend its plan names, prepared inside `eagle_verification(target)` (the CPU
+    backend's lean forward reads the attention that switches on)."""
+    return prepare(backend_for(target, speculation.cpu_backend), target, drafter, speculation.compile_verify)
 
 
 def drafts_static(settings: SpeculationSettings, device: torch.device) -> bool:
@@ -303,21 +331,24 @@ _KERNEL_WARNED: set[str] = set()
 # --- routing `generate(assistant_model=<Eagle3DraftModel>)` --------------------------------------
 
 
-# speculation settings a GenerationConfig does not have: in a call's generation config they were put there by hand
-NOT_GENERATE_SETTINGS = tuple(name for name in SPECULATION_DEFAULTS if name not in vars(GenerationConfig()))
+# speculation settings (and their old names) a GenerationConfig does not have: in a call's generation config they were
+# put there by hand
+NOT_GENERATE_SETTINGS = tuple(name for name in (*SPECULATION_DEFAULTS, *RENAMED_SETTINGS)
+                              if name not in vars(GenerationConfig()))
 
 
 def refuse_call_settings(kwargs: dict) -> None:
     """A speculation setting given to `generate` (a keyword, or an entry of its generation config) would be an unused
     model keyword to transformers, or silently ignored: name where it belongs instead (the drafter's generation
     config, which every call with that drafter reads)."""
-    given = [name for name in SPECULATION_DEFAULTS if name in kwargs]
+    given = [name for name in (*SPECULATION_DEFAULTS, *RENAMED_SETTINGS) if name in kwargs]
     if given:
-        name = given[0]
+        value, name = kwargs[given[0]], RENAMED_SETTINGS.get(given[0], given[0])
+        renamed = f" ({given[0]} is the old name of {name})" if name != given[0] else ""
         raise ValueError(
             f"{', '.join(given)}: speculation settings belong to the drafter, not to one generate() call; set "
-            f"drafter.generation_config.{name} = {kwargs[name]!r} (it stays for later calls), or load the drafter "
-            f"with Eagle3DraftModel.from_pretrained(path, {name}={kwargs[name]!r})")
+            f"drafter.generation_config.{name} = {value!r}{renamed} (it stays for later calls), or load the drafter "
+            f"with Eagle3DraftModel.from_pretrained(path, {name}={value!r})")
 
 
 CONTINUOUS_BATCHING_REFUSAL = (
@@ -361,79 +392,91 @@ def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_pr
     check_plain(generation_config)
     check_target(model)
     check_inputs(model, input_ids, generation_config, model_kwargs)
-    speculation = Speculation("plain", 1, 1, LengthController(1, 1, 1), CollapseMonitor(enabled=False), None,
-                              "batched")
+    speculation = plain_speculation()
     with eagle_verification(model):
-        speculation.prepared = prepare(backend_for(model, True), model, None)
         return eagle_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, None,
-                              speculation, streamer, **model_kwargs)
+                              speculation, prepared_for(model, None, speculation), streamer, **model_kwargs)
+
+
+def plain_speculation() -> Speculation:
+    """`fast_decoding`'s plan: no drafts, "batched" verify forwards of one token, on the CPU backend where it serves
+    the target (as `cpu_backend=True` runs a drafter's), never compiled."""
+    return Speculation(mode="plain", tree_top_k=1, tree_total_tokens=1, controller=DepthController(1, 1, 1),
+                       monitor=CollapseMonitor(enabled=False), verify_chunk_depth=None, verify_mode="batched",
+                       cpu_backend=True, compile_verify=False, static_draft=False)
+
+
+# --- the wrappers `install` puts on GenerationMixin -----------------------------------------------
+
+_ORIGINALS: dict[str, Callable] = {}  # GenerationMixin's own methods by name, as `install` found them
+
+
+def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+    """With an EAGLE drafter, refuse speculation settings given to the call and a target EAGLE cannot verify, and
+    fit the drafter to the target (`prepare_drafter`), before transformers mistakes a mismatch for a tokenizer
+    issue; then transformers' own checks."""
+    drafter = generation_mode_kwargs.get("assistant_model")
+    if isinstance(drafter, Eagle3DraftModel):
+        refuse_call_settings({name: getattr(generation_config, name) for name in NOT_GENERATE_SETTINGS
+                              if name in vars(generation_config)})
+        check_target(self)
+        prepare_drafter(self, drafter)
+    return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
+
+
+def _assisted_decoding(self, input_ids, *args, **kwargs):
+    """With an EAGLE drafter: check the call's inputs, plan it once from the drafter's settings, and decode on the
+    backend the plan names (or plainly, where tuning predicted that no draft pays); else transformers' own assisted
+    decoding. `generate` fitted the drafter first (`_validate_generation_mode`)."""
+    drafter = kwargs.get("assistant_model")
+    if not isinstance(drafter, Eagle3DraftModel):
+        return _ORIGINALS["_assisted_decoding"](self, input_ids, *args, **kwargs)
+    generation_config = kwargs["generation_config"]
+    check_inputs(self, input_ids, generation_config, kwargs)
+    for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
+        kwargs.pop(unused, None)
+    settings = SpeculationSettings.of(drafter.generation_config)
+    speculation = speculation_plan(self, drafter, settings, input_ids, generation_config, kwargs)
+    if speculation is None:
+        drafter.speculation_stats = SpeculationStats(mode=settings.speculation_mode, fallbacks=1)
+        return self._sample(input_ids, *args, **kwargs)
+    warn_if_kernel_cannot_run(self, settings, input_ids, kwargs)
+    with eagle_verification(self):
+        return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation,
+                              prepared=prepared_for(self, drafter, speculation), **kwargs)
+
+
+def _extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
+    """Refuse speculation settings given to a call with an EAGLE drafter; hand `fast_decoding` the streamer and
+    tokenizer transformers keeps from a `custom_generate` function."""
+    extract = _ORIGINALS["_extract_generation_mode_kwargs"]
+    if isinstance(assistant_model, Eagle3DraftModel):
+        refuse_call_settings(kwargs)
+    if custom_generate is not fast_decoding:
+        return extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+    if assistant_model is not None:
+        raise ValueError("fast_decoding decodes without a drafter: pass assistant_model or "
+                         "custom_generate=hf_eagle31.fast_decoding, not both")
+    tokenizer = kwargs.get("tokenizer")  # for stop_strings; transformers keeps both from a custom_generate
+    chosen = extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+    return {**chosen, **{name: value for name, value in (("streamer", streamer), ("tokenizer", tokenizer))
+                         if value is not None}}
+
+
+def generate_batch(self, *args, **kwargs):
+    """Refuse an EAGLE drafter in continuous batching, which would silently decode without it."""
+    if isinstance(kwargs.get("assistant_model"), Eagle3DraftModel):
+        raise NotImplementedError(CONTINUOUS_BATCHING_REFUSAL)
+    return _ORIGINALS["generate_batch"](self, *args, **kwargs)
 
 
 def install() -> None:
-    """Wrap the GenerationMixin methods that decide how assisted generation runs, and refuse a drafter in
-    `generate_batch`, which would silently decode without it (idempotent)."""
+    """Put the wrappers above on GenerationMixin in place of the methods that decide how assisted generation runs
+    (idempotent). Each keeps its original as `__wrapped__`: transformers reads a decoding method's parameters from
+    its signature."""
     if getattr(GenerationMixin._assisted_decoding, "_hf_eagle31", False):
         return
-    validate = GenerationMixin._validate_generation_mode
-    assisted = GenerationMixin._assisted_decoding
-    continuous = GenerationMixin.generate_batch
-    extract = GenerationMixin._extract_generation_mode_kwargs
-
-    @functools.wraps(validate)
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        drafter = generation_mode_kwargs.get("assistant_model")
-        if isinstance(drafter, Eagle3DraftModel):
-            refuse_call_settings({name: getattr(generation_config, name) for name in NOT_GENERATE_SETTINGS
-                                  if name in vars(generation_config)})
-            check_target(self)
-            prepare_drafter(self, drafter)  # before transformers mistakes a mismatch for a tokenizer issue
-        return validate(self, generation_mode, generation_config, generation_mode_kwargs)
-
-    @functools.wraps(assisted)
-    def _assisted_decoding(self, input_ids, *args, **kwargs):
-        drafter = kwargs.get("assistant_model")
-        if not isinstance(drafter, Eagle3DraftModel):
-            return assisted(self, input_ids, *args, **kwargs)
-        check_inputs(self, input_ids, kwargs["generation_config"], kwargs)
-        for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
-            kwargs.pop(unused, None)
-        prepare_drafter(self, drafter)
-        settings, config = SpeculationSettings.of(drafter.generation_config), kwargs["generation_config"]
-        speculation = speculation_for(settings, input_ids.shape[0], bool(config.do_sample))
-        if speculation is None:
-            drafter.speculation_stats = SpeculationStats(mode=settings.speculation_mode, fallbacks=1)
-            return self._sample(input_ids, *args, **kwargs)
-        if speculation.verify_mode == "batched" and self._valid_auto_compile_criteria(kwargs, config):
-            speculation.compiled = self.get_compiled_call(config.compile_config)  # as plain decoding compiles
-            speculation.block_size, speculation.chunk_depth = speculation.total_tokens + 1, None
-        warn_if_kernel_cannot_run(self, settings, input_ids, kwargs)
-        speculation.static_draft = drafts_static(settings, drafter.device)
-        with eagle_verification(self):
-            speculation.prepared = prepare(backend_for(self, packs_weights(settings)), self, drafter,
-                                           compiles_verify(settings))
-            return eagle_decoding(self, input_ids, *args, drafter=drafter, speculation=speculation, **kwargs)
-
-    @functools.wraps(extract)
-    def _extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
-        if isinstance(assistant_model, Eagle3DraftModel):
-            refuse_call_settings(kwargs)
-        if custom_generate is not fast_decoding:
-            return extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
-        if assistant_model is not None:
-            raise ValueError("fast_decoding decodes without a drafter: pass assistant_model or "
-                             "custom_generate=hf_eagle31.fast_decoding, not both")
-        tokenizer = kwargs.get("tokenizer")  # for stop_strings; transformers keeps both from a custom_generate
-        chosen = extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
-        return {**chosen, **{name: value for name, value in (("streamer", streamer), ("tokenizer", tokenizer))
-                             if value is not None}}
-
-    @functools.wraps(continuous)
-    def generate_batch(self, *args, **kwargs):
-        if isinstance(kwargs.get("assistant_model"), Eagle3DraftModel):
-            raise NotImplementedError(CONTINUOUS_BATCHING_REFUSAL)
-        return continuous(self, *args, **kwargs)
-
-    for wrapper in (_validate_generation_mode, _assisted_decoding, generate_batch,
-                    _extract_generation_mode_kwargs):
+    for wrapper in (_validate_generation_mode, _assisted_decoding, _extract_generation_mode_kwargs, generate_batch):
+        _ORIGINALS[wrapper.__name__] = wrapper.__wrapped__ = getattr(GenerationMixin, wrapper.__name__)
         wrapper._hf_eagle31 = True
         setattr(GenerationMixin, wrapper.__name__, wrapper)

@@ -1,6 +1,6 @@
 """State a call lends a user's model or thread, made and undone whole even when Ctrl-C arrives.
 
-An EAGLE call switches the target's attention to EAGLE's, a `packed_weights` block holds products
+An EAGLE call switches the target's attention to EAGLE's, a `hold_products` block holds products
 beside the model, and a forward on those products pushes a torch function mode and marks them this
 thread's. Each is a change with an undo, and `Held` is the one way they are made: a KeyboardInterrupt
 raised halfway through making or undoing one would leave the model or the thread half switched.

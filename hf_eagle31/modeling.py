@@ -39,7 +39,14 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import ModelOutput
 
 from hf_eagle31.compat import LOAD_KWARGS
-from hf_eagle31.configuration import SPECULATION_DEFAULTS, Eagle3Config, SpeculationSettings, safeailab_tree_settings
+from hf_eagle31.configuration import (
+    RENAMED_SETTINGS,
+    SPECULATION_DEFAULTS,
+    Eagle3Config,
+    SpeculationSettings,
+    safeailab_tree_settings,
+    with_new_names,
+)
 from hf_eagle31.kernels.tree_attention import tree_attention
 from hf_eagle31.stats import SpeculationStats
 
@@ -250,7 +257,8 @@ class Eagle3DraftModel(PreTrainedModel):
         """
         from hf_eagle31.conversion import layouts
 
-        speculation = {name: kwargs.pop(name) for name in SPECULATION_DEFAULTS if name in kwargs}
+        speculation = with_new_names({name: kwargs.pop(name) for name in (*SPECULATION_DEFAULTS, *RENAMED_SETTINGS)
+                                      if name in kwargs}, "from_pretrained")
 
         hub_kwargs = {k: kwargs.pop(k) for k in layouts.HUB_KWARGS if k in kwargs}
         folder = layouts.checkpoint_folder(pretrained_model_name_or_path, **hub_kwargs)
@@ -263,6 +271,7 @@ class Eagle3DraftModel(PreTrainedModel):
         model = super().from_pretrained(None, *args, config=config, state_dict=state, **{**LOAD_KWARGS, **kwargs})
         file = folder / "generation_config.json"  # none: the defaults; a damaged one is named, not skipped
         saved = GenerationConfig.from_dict(layouts.read_json(file)).to_diff_dict() if file.is_file() else {}
+        saved = with_new_names(saved, str(file))  # saved before a setting was renamed
         tree = safeailab_tree_settings(total_token, depth, top_k)
         if tree and speculation:
             raise ValueError(f"give the tree settings in SafeAILab's names (total_token, depth, top_k) or in this "

@@ -368,7 +368,7 @@ class Planner:
             lines.append(f"a context of at most {longest} tokens fits with {plan.quant}.")
         else:
             weights = gib(self.weights(plan.quant))
-            lines.append(f"the {plan.quant} weights alone ({weights}) leave no room at any context.")
+            lines.append(f"the {plan.quant} weights alone ({weights}) leave no memory for any context.")
         smaller = [q for q in sorted(QUANTIZATIONS, key=self.weights, reverse=True)  # least lossy first
                    if self.weights(q) <= self.weights(plan.quant)]
         fitting = [q for q in smaller[1:] if self.total(q, plan.context, plan.tree_tokens) <= plan.gpu_bytes]

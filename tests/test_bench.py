@@ -233,7 +233,7 @@ def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller
 @pytest.mark.parametrize("slow", ["packed", "default"])
 def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
     """The packed weights pay on one CPU and not on another: tuning times both paths and keeps the faster one's
-    shapes and its `pack_weights`, which decoding then follows."""
+    shapes and its `cpu_backend`, which decoding then follows."""
     from hf_eagle31.tuning import measure
 
     target, drafter = trained_pair("llama", True)
@@ -241,19 +241,19 @@ def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
 
     base: dict[int, float] = {}
 
-    def curve(target, sizes, layer_ids, pack=False, **kwargs):  # one real curve for both paths, one made 3x slower
+    def curve(target, sizes, layer_ids, cpu_backend=False, **kwargs):  # one real curve for both paths, one 3x slower
         if missing := [n for n in sizes if n not in base]:
-            base.update(measured(target, missing, layer_ids, pack=False, **kwargs))
-        return {n: base[n] * (3.0 if pack == (slow == "packed") else 1.0) for n in sizes}
+            base.update(measured(target, missing, layer_ids, cpu_backend=False, **kwargs))
+        return {n: base[n] * (3.0 if cpu_backend == (slow == "packed") else 1.0) for n in sizes}
 
     monkeypatch.setattr(measure, "verify_cost_curve", curve)
     monkeypatch.setattr(measure, "packing_cost", lambda *_: 0.0)
     ranks = {1: [[0, 1], [0], [0, 1, 2]] * 3}
     report = choose_tree_shape(target, drafter, ranks, max_depth=3, max_tokens=4, context=32)
-    assert report.pack_weights is (slow == "default") and set(report.paths) == {"packed", "default"}
-    assert report.choice == report.paths["packed" if report.pack_weights else "default"]
+    assert report.cpu_backend is (slow == "default") and set(report.paths) == {"packed", "default"}
+    assert report.choice == report.paths["packed" if report.cpu_backend else "default"]
     apply_choice(drafter, report)
-    assert drafter.generation_config.pack_weights is (slow == "default")
+    assert drafter.generation_config.cpu_backend is (slow == "default")
     from hf_eagle31.backends.cpu import products
 
     packed, made = [], products.Products.__init__

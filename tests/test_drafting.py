@@ -8,7 +8,7 @@ from tiny_models import PROMPTS, make_drafter, make_target, trained_pair
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_eagle31.control import CollapseMonitor, LengthController
+from hf_eagle31.control import CollapseMonitor, DepthController
 from hf_eagle31.drafting import DrafterState, DraftTree, draft_tree
 from hf_eagle31.features import capture_request, select_features
 from hf_eagle31.kernels.tree_attention import tree_attention_reference
@@ -275,9 +275,9 @@ def test_decode_equivalent_attention_equals_one_token_decoding_bit_for_bit(dtype
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
-def test_length_controller_is_bounded_deterministic_and_responsive():
+def test_depth_controller_is_bounded_deterministic_and_responsive():
     def run(history):
-        controller = LengthController(low=1, high=8, value=4)
+        controller = DepthController(min_depth=1, max_depth=8, depth=4)
         return [controller.update(proposed, accepted) for proposed, accepted in history]
 
     good = [(4, 4)] * 10

@@ -490,6 +490,29 @@ def test_mismatched_pairs_get_clear_errors(change, message):
         target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=5, assistant_model=drafter)
 
 
+def test_a_call_fits_the_drafter_and_reads_its_settings_once(monkeypatch):
+    """The routing plans a call once: the pair is checked and fitted (`prepare_drafter`), the settings read and
+    checked (`SpeculationSettings.of`) and a "kernel" verify mode's Triton asked for, each once a call."""
+    from hf_eagle31 import generation
+    from hf_eagle31.configuration import SpeculationSettings
+
+    target, drafter = trained_pair("llama", True)
+    drafter = copy.deepcopy(drafter)  # the shared pair's settings stay as they are
+    drafter.set_target_embedding(target.get_input_embeddings())
+    monkeypatch.setattr(generation, "_KERNEL_WARNED", set())
+    calls = []
+    fit, read = generation.prepare_drafter, SpeculationSettings.of.__func__
+    monkeypatch.setattr(generation, "prepare_drafter", lambda *args: calls.append("fit") or fit(*args))
+    monkeypatch.setattr(SpeculationSettings, "of", classmethod(lambda cls, config: calls.append("read") or
+                                                               read(cls, config)))
+    monkeypatch.setattr(generation, "require_triton", lambda: calls.append("triton"))
+    drafter.generation_config.verify_mode = "kernel"  # verifies as "batched" on a CPU, and says so
+    with pytest.warns(UserWarning, match="kernel"):
+        out = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=8, assistant_model=drafter)
+    assert sorted(calls) == ["fit", "read", "triton"]
+    assert torch.equal(out, plain(target, PROMPTS[:1], max_new_tokens=8))
+
+
 def test_plain_and_transformers_assisted_generation_unchanged_by_import():
     """Run plain and small-LM assisted generation with and without `import hf_eagle31` in fresh processes."""
     script = """

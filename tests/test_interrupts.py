@@ -41,7 +41,7 @@ def _codes(*functions) -> set[types.CodeType]:
 # where state is made or undone, and the functions whose `with` blocks hold it
 SWEPT = _codes(Held.__enter__, Held.__exit__, Held._hold, Held._release, Held._handler, interrupts._deliver,
                generation.eagle_verification, generation._switch_back, generation.fast_decoding,
-               cpu_products.packed_weights, cpu_products.products_for, cpu_products._activation,
+               cpu_products.hold_products, cpu_products.products_for, cpu_products._activation,
                cpu_products.Products.active, cpu_products.products_mode, features.capturing_hooked,
                features.remove_capturing_hooks, cpu_backend.CpuBackend.target_forwards, lean.llama_verify_forward,
                torch.overrides.TorchFunctionMode.__enter__, torch.overrides.TorchFunctionMode.__exit__)
@@ -140,17 +140,17 @@ CALLS = {
     "eagle": lambda t, d: t.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=NEW, assistant_model=d),
     "fast_decoding": lambda t, d: t.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=NEW,
                                              custom_generate=hf_eagle31.fast_decoding),
-    "packed_weights": lambda t, d: _in_blocks(t, d),
+    "hold_products": lambda t, d: _in_blocks(t, d),
 }
 
 
 def _in_blocks(target, drafter):
-    with hf_eagle31.packed_weights(target), hf_eagle31.packed_weights(drafter):
+    with hf_eagle31.hold_products(target), hf_eagle31.hold_products(drafter):
         return CALLS["eagle"](target, drafter)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("call, dtype", [("fast_decoding", torch.float32), ("packed_weights", torch.bfloat16)])
+@pytest.mark.parametrize("call, dtype", [("fast_decoding", torch.float32), ("hold_products", torch.bfloat16)])
 def test_a_ctrl_c_at_any_instruction_leaves_models_thread_and_next_call_as_before(call, dtype):
     if dtype == torch.bfloat16 and not hf_eagle31.backends.fast_bf16(torch.device("cpu")):
         pytest.skip("bf16 runs on the CPU backend only where oneDNN computes it")

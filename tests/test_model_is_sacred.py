@@ -1,5 +1,5 @@
 """The user's model is never harmed: whatever happens during an EAGLE call (an interrupt at any point, a patched
-layer, accelerate's offloading, another thread's plain call, training or saving inside `packed_weights`), the target
+layer, accelerate's offloading, another thread's plain call, training or saving inside `hold_products`), the target
 and the drafter are afterwards what they were, and plain `generate` gives what it gave before."""
 
 import _thread
@@ -59,15 +59,15 @@ def eight_layer_target(dtype: torch.dtype):
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
-@pytest.mark.parametrize("pack_weights", [True, False])
-def test_interrupts_at_random_points_of_eagle_calls_leave_both_models_as_they_were(pack_weights):
+@pytest.mark.parametrize("cpu_backend", [True, False])
+def test_interrupts_at_random_points_of_eagle_calls_leave_both_models_as_they_were(cpu_backend):
     """Ctrl-C as `_thread.interrupt_main` from a timer, at random points of EAGLE calls on an 8-layer target (bf16
     where the CPU computes it). Each interrupted call leaves target and drafter bit for bit as they were, and plain
     `generate` gives its output of before. (Before: layers left holding NaN stand-ins, `generate` then decoding
     token 0 everywhere, a registry stuck so that `state_dict` refused for the rest of the process.)"""
     target = eight_layer_target(torch.bfloat16 if fast_bf16(torch.device("cpu")) else torch.float32)
     drafter = make_drafter(target)
-    drafter.generation_config.update(pack_weights=pack_weights, speculation_mode="tree", collapse_fallback=False)
+    drafter.generation_config.update(cpu_backend=cpu_backend, speculation_mode="tree", collapse_fallback=False)
     prompt = PROMPTS[:1, :8]
     plain = target.generate(prompt, do_sample=False, max_new_tokens=NEW)
     target.generate(prompt, do_sample=False, max_new_tokens=NEW, assistant_model=drafter)  # warm-up
@@ -97,14 +97,14 @@ def test_interrupts_at_random_points_of_eagle_calls_leave_both_models_as_they_we
     assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=NEW, assistant_model=drafter), eagle)
 
 
-@pytest.mark.parametrize("pack_weights", [True, False])
-def test_a_layer_patched_on_the_instance_is_honoured_and_kept(pack_weights):
+@pytest.mark.parametrize("cpu_backend", [True, False])
+def test_a_layer_patched_on_the_instance_is_honoured_and_kept(cpu_backend):
     """How accelerate's hooks, adapters and users patch layers: a forward set on the instance. EAGLE's output is
     plain `generate`'s with the patch, and the patch is still there after. (Before: ignored, then deleted.)"""
     target, drafter = trained_pair("llama", eagle31=True)
     target, drafter = copy.deepcopy(target), copy.deepcopy(drafter)
     drafter.set_target_embedding(target.get_input_embeddings())
-    drafter.generation_config.pack_weights = pack_weights
+    drafter.generation_config.cpu_backend = cpu_backend
     layer = target.model.layers[2].mlp.down_proj
     delta = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
     torch.nn.init.normal_(delta.weight, std=0.2)
@@ -169,7 +169,7 @@ def test_plain_calls_in_another_thread_beside_eagle_calls_get_their_own_output(d
 
 
 @pytest.mark.parametrize("rows_kernel", [False, True])
-def test_inside_packed_weights_the_model_converts_copies_loads_and_keeps_new_parameters(rows_kernel, monkeypatch):
+def test_inside_hold_products_the_model_converts_copies_loads_and_keeps_new_parameters(rows_kernel, monkeypatch):
     """(Before, on oneDNN's layout: `.to(dtype)` accepted, leaving mixed dtypes; new Parameters reverted on exit;
     `deepcopy` and `load_state_dict` raw torch errors; a training step without gradients.)"""
     if not rows_kernel:  # fp32 otherwise takes the rows kernel where it builds, which copies nothing
@@ -179,7 +179,7 @@ def test_inside_packed_weights_the_model_converts_copies_loads_and_keeps_new_par
     drafter.set_target_embedding(target.get_input_embeddings())
     saved = copy.deepcopy(target.state_dict())
     new = torch.nn.Parameter(torch.randn_like(target.model.layers[0].mlp.up_proj.weight))
-    with hf_eagle31.packed_weights(target), hf_eagle31.packed_weights(drafter):
+    with hf_eagle31.hold_products(target), hf_eagle31.hold_products(drafter):
         target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=8, assistant_model=drafter)
         copied = copy.deepcopy(target)
         target.load_state_dict(copied.state_dict())

@@ -119,7 +119,7 @@ def test_70b_nf4_does_not_fit_a_24gb_card(tmp_path):
     assert plan.longest_context is None
     assert plan.advice[0] == (f"does not fit: needs {plan.total / GiB:.2f} GiB, the card has 23.99 GiB "
                               f"(short by {(plan.total - RTX_4090) / GiB:.2f} GiB).")
-    assert "leave no room at any context" in plan.advice[1]
+    assert "leave no memory for any context" in plan.advice[1]
     assert not any(line.startswith("--quant") for line in plan.advice)  # not even nf4-dq fits 24 GB
     # ~49.2 GiB in nf4: more than a 48 GB card (47.99 GiB), so the next size up; in nf4-dq (weights
     # ~36.9 GiB) + drafter + cache + workspace come to ~46 GiB: a 48 GB card

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
 from hf_eagle31.backends.cpu import products as cpu_products
 from hf_eagle31.backends.cpu import routes
-from hf_eagle31.backends.cpu.products import Product, Products, can_pack, packed_weights, products_for
+from hf_eagle31.backends.cpu.products import Product, Products, can_pack, hold_products, products_for
 from hf_eagle31.backends.cpu.rows import MAX_ROWS, rows_kernel
 from hf_eagle31.training.capacity import add_decoder_layers
 
@@ -125,7 +125,7 @@ def test_the_drafter_takes_one_product_per_sibling_group_and_a_hooked_layer_runs
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_greedy_on_the_cpu_backend_equals_plain_generate_and_leaves_both_models_alone(mode, layout):
     target, drafter = trained_pair("llama", eagle31=True)
-    drafter.generation_config.update(speculation_mode=mode, pack_weights=True)
+    drafter.generation_config.update(speculation_mode=mode, cpu_backend=True)
     before, drafter_before = snapshot(target), snapshot(drafter)
     for prompt in (PROMPTS[0:1], PROMPTS[3:4]):
         expected = target.generate(prompt, do_sample=False, max_new_tokens=24)
@@ -142,7 +142,7 @@ def test_a_serving_loop_makes_the_products_once_and_the_model_saves_and_trains_i
     expected = [target.generate(p, do_sample=False, max_new_tokens=16) for p in prompts]
     made = []
     monkeypatch.setattr(cpu_products, "_pack", lambda members, held, pack=cpu_products._pack: made.append(1) or pack(members, held))
-    with hf_eagle31.packed_weights(target), hf_eagle31.packed_weights(drafter):
+    with hf_eagle31.hold_products(target), hf_eagle31.hold_products(drafter):
         count = len(made)
         outputs = [target.generate(p, assistant_model=drafter, do_sample=False, max_new_tokens=16) for p in prompts]
         assert count > 0 and len(made) == count  # the calls found the products held and used them
@@ -162,9 +162,9 @@ def test_a_serving_loop_makes_the_products_once_and_the_model_saves_and_trains_i
 
 def test_nested_blocks_hold_one_set_of_products_until_the_last_ends():
     target = make_target(seed=4)
-    with packed_weights(target):
+    with hold_products(target):
         first = products_for(target)
-        with packed_weights(target):
+        with hold_products(target):
             assert products_for(target) is first
         assert products_for(target) is first
     assert products_for(target) is not first  # a call's own now
@@ -221,7 +221,7 @@ def test_held_products_follow_a_weight_edited_behind_its_version_counter(how, mo
     target, drafter = copy.deepcopy(target), copy.deepcopy(drafter)
     drafter.set_target_embedding(target.get_input_embeddings())
     prompt = PROMPTS[:1]
-    with packed_weights(target), packed_weights(drafter):
+    with hold_products(target), hold_products(drafter):
         target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=4)
         _edit(target, how)
         plain = target.generate(prompt, do_sample=False, max_new_tokens=24)
@@ -230,12 +230,12 @@ def test_held_products_follow_a_weight_edited_behind_its_version_counter(how, mo
                                            custom_generate=hf_eagle31.fast_decoding), plain)
 
 
-def test_a_model_converted_inside_packed_weights_decodes_in_its_new_dtype():
+def test_a_model_converted_inside_hold_products_decodes_in_its_new_dtype():
     """(Before: a raw oneDNN primitive error, the bf16 products kept for fp32 weights.)"""
     target = make_target(seed=8, dtype=torch.bfloat16)
     if not can_pack(target):
         pytest.skip("bf16 runs on the CPU backend only where oneDNN computes it")
-    with packed_weights(target):
+    with hold_products(target):
         target.to(torch.float32)
         plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16)
         assert torch.equal(target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16,

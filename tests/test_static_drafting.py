@@ -117,7 +117,7 @@ def test_a_static_step_reads_nothing_back_until_its_verify_forward(cuda_rotary, 
         return draft(self)
 
     def counted_verify(self, trees):
-        prepared = self.speculation.prepared
+        prepared = self.prepared
         forward = prepared.verify
 
         def first(*args, **kwargs):
@@ -135,7 +135,7 @@ def test_a_static_step_reads_nothing_back_until_its_verify_forward(cuda_rotary, 
 
     monkeypatch.setattr(EagleLoop, "draft", counted_draft)
     monkeypatch.setattr(EagleLoop, "verify", counted_verify)
-    target, drafter = trained_pair("llama", True, speculation_mode="tree", draft_mode=draft_mode, pack_weights=False,
+    target, drafter = trained_pair("llama", True, speculation_mode="tree", draft_mode=draft_mode, cpu_backend=False,
                                    collapse_fallback=False, dynamic_speculation=False)
     target.generate(PROMPTS[0:1], do_sample=False, max_new_tokens=24, assistant_model=drafter)
     target.generate(**left_padded(RAGGED[:4]), do_sample=False, pad_token_id=0, max_new_tokens=16,

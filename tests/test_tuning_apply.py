@@ -37,7 +37,7 @@ def drafter(pair):
 def saved_report(choice: dict) -> dict:
     """A report as tuning.json holds it (string keys), from hand-made costs."""
     report = {"candidates": [CHAIN, TREE], "choice": choice, "best_chain": CHAIN, "best_tree": TREE,
-              "pack_weights": False, "batch_costs": BATCH_COSTS, "sampling": {"shape": SAMPLED}}
+              "cpu_backend": False, "batch_costs": BATCH_COSTS, "sampling": {"shape": SAMPLED}}
     return json.loads(json.dumps(report))
 
 
@@ -47,7 +47,7 @@ def test_apply_choice_stores_the_reports_shapes_in_the_generation_config(drafter
     assert config.num_assistant_tokens == 3  # the best chain's length
     assert (config.tree_top_k, config.tree_depth, config.tree_total_tokens) == (4, 5, 9)  # the best tree
     assert config.max_speculation_depth == 5 and config.speculation_mode == "tree"
-    assert config.dynamic_speculation is False and config.pack_weights is False
+    assert config.dynamic_speculation is False and config.cpu_backend is False
     assert config.batch_shapes == {"2": {"tree_top_k": 1, "tree_depth": 3, "tree_total_tokens": 3,
                                          "speedup": pytest.approx(2.2 * 0.010 / 0.016)}}
     assert config.sampling_shape == SAMPLED
@@ -56,22 +56,22 @@ def test_apply_choice_stores_the_reports_shapes_in_the_generation_config(drafter
 
 
 def test_apply_choice_takes_a_report_object(drafter):
-    drafter.generation_config.update(pack_weights=True, sampling_shape=SAMPLED)
+    drafter.generation_config.update(cpu_backend=True, sampling_shape=SAMPLED)
     report = TuningReport({1: 0.01, 4: 0.012}, {1: {3: 0.002}}, 0.01, [CHAIN])  # chains only, on the default path
     apply_choice(drafter, report)
     config = drafter.generation_config
     assert config.speculation_mode == "chain" and config.num_assistant_tokens == 3
     assert config.max_speculation_depth == 3 and config.tree_depth == SPECULATION_DEFAULTS["tree_depth"]
-    assert config.pack_weights is False  # the path it was measured on
+    assert config.cpu_backend is False  # the path it was measured on
     assert config.batch_shapes is None and config.sampling_shape is None  # not tuned here: the drafter's own shapes
 
 
 def test_apply_choice_keeps_what_an_older_report_did_not_measure(drafter):
-    drafter.generation_config.update(pack_weights=True, draft_mode="static")
+    drafter.generation_config.update(cpu_backend=True, draft_mode="static")
     report = saved_report(CHAIN)
-    del report["pack_weights"]  # saved before tuning chose the verify path
+    del report["cpu_backend"]  # saved before tuning chose the verify path
     apply_choice(drafter, report)
-    assert drafter.generation_config.pack_weights is True and drafter.generation_config.draft_mode == "static"
+    assert drafter.generation_config.cpu_backend is True and drafter.generation_config.draft_mode == "static"
 
 
 def test_apply_choice_stores_the_drafting_mode_timed_faster(drafter):
@@ -109,7 +109,8 @@ def test_tune_batch_sizes_adds_the_batched_costs_and_stores_their_shapes(pair, d
     del report["batch_costs"]
     tuned = tune_batch_sizes(target, drafter, report, batch_sizes=(2,))
     (args, kwargs), = calls
-    assert args[2:] == ([1, 4], apply.BATCH_MAX_DEPTH, (2,)) and kwargs == {"pack": False}  # the families calibrated
+    assert args[2:] == ([1, 4], apply.BATCH_MAX_DEPTH, (2,))  # the families calibrated
+    assert kwargs == {"cpu_backend": False}
     assert tuned["batch_costs"] == BATCH_COSTS and tuned["choice"] == report["choice"] and "batch_costs" not in report
     assert drafter.generation_config.batch_shapes["2"]["tree_depth"] == 3
 

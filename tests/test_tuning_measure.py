@@ -86,10 +86,10 @@ def test_draft_cost_times_each_tree_after_one_untimed_call_of_before(drafter):
 def test_exact_verification_is_timed_on_the_plain_weights_only(pair, drafter):
     target, _ = pair
     drafter.generation_config.verify_mode = "exact"
-    assert measure.verify_paths(target, drafter) == (False,)
+    assert measure.verify_paths(target, measure.settings_of(drafter)) == (False,)
     drafter.generation_config.verify_mode = SPECULATION_DEFAULTS["verify_mode"]
     packs = backend_for(target, True).name != "default"
-    assert measure.verify_paths(target, drafter) == ((True, False) if packs else (False,))
+    assert measure.verify_paths(target, measure.settings_of(drafter)) == ((True, False) if packs else (False,))
 
 
 def test_speculation_settings_hold_for_the_block_and_are_restored_after_an_error(drafter):
@@ -106,7 +106,7 @@ def test_batch_costs_cover_every_batch_block_and_depth(pair, drafter, monkeypatc
     target, _ = pair
     monkeypatch.setattr(measure, "BATCH_BLOCK_SIZES", (1, 3))  # the default blocks: a slower test, not another one
     costs = measure.batch_costs(target, drafter, [1, 2], max_depth=2, batch_sizes=(2,), context=16, repeats=1,
-                                pack=False)
+                                cpu_backend=False)
     assert set(costs) == {"verify_seconds", "draft_seconds", "plain_seconds"}
     assert list(costs["verify_seconds"][2]) == [1, 3] and costs["plain_seconds"][2] > 0
     assert {k: list(depths) for k, depths in costs["draft_seconds"][2].items()} == {1: [1, 2], 2: [1, 2]}

@@ -5,7 +5,7 @@ same held-out questions, in the shape vLLM runs: a chain of 3, no dynamic length
     .venv/bin/python examples/vllm_cpu/run_ours.py --target TARGET [--drafter examples/smollm2/eagle31] --out FILE.json
 
 Each question is generated alone (batch 1), timed from the call to its return (with `--pack-once` the loop runs
-inside `packed_weights`, as a server would: the weights are packed once, before the warm-up, instead of in each
+inside `hold_products`, as a server would: the products are made once, before the warm-up, instead of in each
 call); the acceptance counters are
 `drafter.speculation_stats` (tau: tokens per speculative target forward, the bonus token included).
 """
@@ -17,7 +17,7 @@ import torch
 from shared import question_ids, run_arguments, write_report
 from transformers import AutoModelForCausalLM
 
-from hf_eagle31 import Eagle3DraftModel, drafting_dtype, packed_weights
+from hf_eagle31 import Eagle3DraftModel, drafting_dtype, hold_products
 
 
 def main() -> None:
@@ -51,8 +51,8 @@ def main() -> None:
     rows = []
     with contextlib.ExitStack() as packing:
         if args.pack_once and drafter:
-            packing.enter_context(packed_weights(target))
-            packing.enter_context(packed_weights(drafter))
+            packing.enter_context(hold_products(target))
+            packing.enter_context(hold_products(drafter))
         target.generate(torch.tensor([prompts[0]]), max_new_tokens=16, **greedy)  # warm-up, not counted
         for ids in prompts:
             started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Device acceleration behind one door: how a call's verify forwards and the drafter's products are computed.
 
-    prepared = prepare(backend_for(target, pack_weights), target, drafter, compile_verify)
+    prepared = prepare(backend_for(target, cpu_backend), target, drafter, compile_verify)
     prepared.forward(**inputs)                                  # any other target forward of the call (the prefill)
     prepared.verify(cache, plan, tokens, positions, compiled)   # raw logits [B, n, V], features [B, n, 3 H_t]
     prepared.draft_products                                     # the drafter forward's `products`, or None
@@ -110,10 +110,10 @@ def torch_as_usual(device: torch.device) -> bool:
     return all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
-def backend_for(target: PreTrainedModel, pack_weights: bool) -> Backend:
-    """The backend a call with `pack_weights` (the drafter's setting) runs on: the CPU backend where it serves the
+def backend_for(target: PreTrainedModel, cpu_backend: bool) -> Backend:
+    """The backend a call with `cpu_backend` (the drafter's setting) runs on: the CPU backend where it serves the
     target and torch computes as usual (`torch_as_usual`), else the default one."""
-    if pack_weights:
+    if cpu_backend:
         from hf_eagle31.backends.cpu import CPU  # imported on first use: a CUDA call never loads the CPU machinery
 
         if CPU.serves(target) and torch_as_usual(target.device):
@@ -122,7 +122,7 @@ def backend_for(target: PreTrainedModel, pack_weights: bool) -> Backend:
 
 
 def fast_bf16(device: torch.device) -> bool:
-    """Whether bf16 products run at full speed on `device`: CUDA, or a CPU where oneDNN computes bf16 (AVX-512)."""
+    """Whether bf16 matrix multiplications run at full speed on `device`: CUDA, or a CPU where oneDNN computes bf16 (AVX-512)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -63,10 +63,10 @@ def continuations(target, encode, texts: list[str], new_tokens: int) -> list[Tra
 def long_texts(tokenizer, texts: list[str], length: int, count: int = 8) -> list[str]:
     """`count` prompts of about `length` tokens, spread evenly over the texts joined end to end (none if too short)."""
     ids = tokenizer("\n".join(texts), verbose=False).input_ids  # one long text, cut into windows below
-    room = len(ids) - length
-    if room < 0:
+    spare = len(ids) - length  # tokens past one window: where the windows may start
+    if spare < 0:
         return []
-    starts = sorted({i * room // max(count - 1, 1) for i in range(count)})
+    starts = sorted({i * spare // max(count - 1, 1) for i in range(count)})
     return [tokenizer.decode(ids[start : start + length]) for start in starts]
 
 
@@ -144,7 +144,7 @@ def run_drift_study(target, tokenizer, drafters: dict, texts: list[str], args,
     encode, perturbed = prompt_encoders(tokenizer, chat)
     plain = continuations(target, encode, texts, args.max_new_tokens)
     templated = continuations(target, perturbed, texts, args.max_new_tokens)
-    max_context = min(MAX_CONTEXT, target.config.max_position_embeddings - 2 * CONTINUATION)  # room to continue
+    max_context = min(MAX_CONTEXT, target.config.max_position_embeddings - 2 * CONTINUATION)  # positions left to continue
     lengths = [n for n in (32, 64, 128, 256, 512, 1024) if n < max_context] + [max_context]
     if chat and documents and isinstance(documents[0], list):
         contexts = lambda n: chat_contexts(tokenizer, documents, n)  # noqa: E731

@@ -8,6 +8,7 @@ from pathlib import Path
 from hf_eagle31.bench.roofline import COUNTED, Roofline, speedup_claim
 from hf_eagle31.bench.runner import MethodResult, best_plain
 from hf_eagle31.bench.verify_cost import table
+from hf_eagle31.tuning import report_cpu_backend
 
 
 def bound(result: MethodResult, tuning: dict, prompts: int, baseline: MethodResult | None = None) -> float | None:
@@ -104,8 +105,8 @@ def tuning_table(tuning: dict[str, dict]) -> str:
     for name, report in tuning.items():
         ratios = report["verify_cost_ratio"]
         lines.append(f"**{name}**: verify cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
-        if report.get("paths"):  # tuning chose between packed weights and torch's default path
-            lines.append(f"verify path: {'packed weights' if report['pack_weights'] else 'torch default'} (best "
+        if report.get("paths"):  # tuning chose between the CPU backend and torch's default path
+            lines.append(f"verify path: {'CPU backend' if report_cpu_backend(report) else 'torch default'} (best "
                          "predicted speedup: " + ", ".join(f"{path} {best['speedup']:.2f}x"
                                                            for path, best in report["paths"].items()) + ")")
         sampling = report.get("sampling") or {}

@@ -22,7 +22,7 @@ from hf_eagle31.drafting import drafting_width
 from hf_eagle31.tuning import draft_cost, target_step, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-PATHS = {"default": False, "packed": True}  # name -> `pack_weights`: the CPU backend's products (hf_eagle31.backends)
+PATHS = {"default": False, "packed": True}  # name -> `cpu_backend`: the CPU backend's products (hf_eagle31.backends)
 COMPILED = "packed, compiled"  # the packed path's lean forward compiled (`compile_verify`), with --compile-verify
 
 
@@ -33,8 +33,8 @@ def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, c
     seconds = {name: {n: [] for n in sizes} for name in paths}
     for _ in range(rounds):
         for name, (pack, compile_verify) in paths.items():
-            for n, t in verify_cost_curve(target, list(sizes), layer_ids, context=context, repeats=3, pack=pack,
-                                          compiled=compile_verify).items():
+            for n, t in verify_cost_curve(target, list(sizes), layer_ids, context=context, repeats=3,
+                                          cpu_backend=pack, compiled=compile_verify).items():
                 seconds[name][n].append(t)
     return {name: {n: statistics.median(ts) for n, ts in sizes.items()} for name, sizes in seconds.items()}
 

@@ -67,7 +67,7 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """torch's SDPA with the query heads that share a key/value head folded into one longer block of queries
     (`mask` folded by `fold_mask`); `[batch, q_heads, n, v_head_dim]`.
 
-    Why: every query row gets the products SDPA's `enable_gqa` gives it, but a CPU runs it faster (the keys are
+    Why: every query row gets the scores SDPA's `enable_gqa` gives it, but a CPU runs it faster (the keys are
     read once per group, not once per query head; docs/benchmarks.md), and on CUDA a masked `enable_gqa` call
     falls back to the math kernel where this one keeps a fused kernel.
     """

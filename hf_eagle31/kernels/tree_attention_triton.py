@@ -107,7 +107,7 @@ def _tree_attention_kernel(
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by the tests) multiplies bf16 bit patterns as
 # integers in tl.dot (seen in triton 3.9), so there the dots take operands already rounded to the
-# input dtype and widened to fp32: the same products, computed exactly.
+# input dtype and widened to fp32: the same multiplications, computed exactly.
 _INTERPRETED = not isinstance(_tree_attention_kernel, triton.runtime.JITFunction)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

@@ -39,7 +39,7 @@ from hf_eagle31.training.data import (
 
 MANIFEST = "distill.json"
 CHUNK_LOG = "chunks.log"  # one JSON report per chunk written (not *.jsonl: the folder is readable as training data)
-MIN_ANSWER_ROOM = 16  # a turn is asked only if this many answer tokens (or max_new_tokens) still fit
+MIN_ANSWER_TOKENS = 16  # a turn is asked only if this many answer tokens (or max_new_tokens) still fit
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class DistillSettings:
     temperature: float = 0.0  # 0: greedy answers
 
     def validate(self) -> None:
-        if self.max_length < MIN_ANSWER_ROOM + 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError(f"distillation needs max_length > {MIN_ANSWER_ROOM}, max_new_tokens >= 1 and "
+        if self.max_length < MIN_ANSWER_TOKENS + 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError(f"distillation needs max_length > {MIN_ANSWER_TOKENS}, max_new_tokens >= 1 and "
                              f"batch_size >= 1 (got {self.max_length}, {self.max_new_tokens}, {self.batch_size})")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns must be at least 1 (or None for all turns), got {self.max_turns}")
@@ -94,12 +94,12 @@ def _pad_id(target: PreTrainedModel, tokenizer) -> int:
     return pad
 
 
-def given(tokenizer, dialogues: list[_Dialogue], turn: int, rooms: list[int], end: int) -> list[list[int]]:
-    """Each record's own answer to `turn` as the target would emit it (its text, then `end`), cut to its room."""
+def given(tokenizer, dialogues: list[_Dialogue], turn: int, answer_limits: list[int], end: int) -> list[list[int]]:
+    """Each record's own answer to `turn` as the target would emit it (its text, then `end`), cut to its limit."""
     answers = []
-    for dialogue, room in zip(dialogues, rooms):
+    for dialogue, answer_limit in zip(dialogues, answer_limits):
         ids = tokenizer(dialogue.conversation.answers[turn], add_special_tokens=False)["input_ids"] + [end]
-        answers.append(ids[:room])
+        answers.append(ids[:answer_limit])
     return answers
 
 
@@ -137,7 +137,7 @@ def distill_conversations(
     turns = max((len(c.user_turns) for c in conversations), default=0)
     limit = turns if settings.max_turns is None else min(turns, settings.max_turns)
     for turn in range(limit):
-        asked, prompts, rooms = [], [], []
+        asked, prompts, answer_limits = [], [], []
         for dialogue in dialogues:
             if not dialogue.open or turn >= len(dialogue.conversation.user_turns):
                 continue
@@ -146,25 +146,25 @@ def distill_conversations(
                 continue
             messages = dialogue.messages + [{"role": "user", "content": dialogue.conversation.user_turns[turn]}]
             prompt = render(tokenizer, messages)
-            room = min(settings.max_new_tokens, settings.max_length - len(prompt))
-            if room < min(MIN_ANSWER_ROOM, settings.max_new_tokens):
+            answer_limit = min(settings.max_new_tokens, settings.max_length - len(prompt))
+            if answer_limit < min(MIN_ANSWER_TOKENS, settings.max_new_tokens):
                 dialogue.open = False
                 report.too_long += turn == 0
                 continue
             dialogue.messages = messages
             asked.append(dialogue)
             prompts.append(prompt)
-            rooms.append(room)
+            answer_limits.append(answer_limit)
         if not asked:
             break
         if own:
-            replies = given(tokenizer, asked, turn, rooms, _end_id(target, tokenizer))
+            replies = given(tokenizer, asked, turn, answer_limits, _end_id(target, tokenizer))
             if progress is not None:
                 progress.update(sum(map(len, replies)))
         else:
-            replies = answer_prompts(target, prompts, rooms, settings.batch_size, settings.temperature,
+            replies = answer_prompts(target, prompts, answer_limits, settings.batch_size, settings.temperature,
                                      _pad_id(target, tokenizer), progress)
-        for dialogue, prompt, answer, room in zip(asked, prompts, replies, rooms):
+        for dialogue, prompt, answer, answer_limit in zip(asked, prompts, replies, answer_limits):
             # earlier answers stay training targets when the re-rendered prompt extends the sequence token
             # for token (a tokenizer may merge differently across a turn boundary; then they become context)
             kept = dialogue.mask if prompt[: len(dialogue.ids)] == dialogue.ids else []
@@ -174,7 +174,7 @@ def distill_conversations(
             text = (dialogue.conversation.answers[turn] if own
                     else tokenizer.decode(answer[:-1] if finished else answer, skip_special_tokens=True))
             dialogue.messages = dialogue.messages + [{"role": "assistant", "content": text}]
-            dialogue.open = finished and len(answer) < room
+            dialogue.open = finished and len(answer) < answer_limit
             report.turns += 1
     sequences = []
     for dialogue in dialogues:

@@ -225,7 +225,7 @@ def training_sequences(target: PreTrainedModel, data, tokenizer, config: Trainin
         answered, report = load_distilled(out_dir / DISTILLED)
         if report.too_long:
             warnings.warn(f"{report.too_long} of {report.conversations} conversations were left out: their first "
-                          f"prompt leaves no room for an answer within max_length ({settings.max_length} tokens)",
+                          f"prompt leaves no tokens for an answer within max_length ({settings.max_length} tokens)",
                           stacklevel=2)
         sequences = answered + sequences
     sequences = fit_length(sequences, config.max_length)

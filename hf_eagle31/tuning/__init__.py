@@ -44,6 +44,7 @@ from hf_eagle31.tuning.predict import (
     non_decreasing,
     projected_tau,
     rank_candidates,
+    report_cpu_backend,
     sampling_tuning,
     tree_draft_seconds,
 )
@@ -52,7 +53,7 @@ __all__ = [
     "BATCH_BLOCK_SIZES", "BATCH_SIZES", "CALL_TOKENS", "SAMPLING_TEMPERATURE", "TUNING_ROUNDS", "VERIFY_SIZES",
     "TuningReport", "apply_choice", "batch_costs", "batch_shapes", "best_of", "calibrate", "calibrate_families",
     "choose_tree_shape", "draft_cost", "drafted_levels", "mean_draft_seconds", "non_decreasing", "packing_cost",
-    "projected_tau", "rank_candidates", "retune_folder", "sampling_tuning", "settings_of", "speculation_settings",
-    "target_step", "tree_draft_seconds", "tune_batch_sizes", "tune_drafter", "tune_sampling", "verify_cost_curve",
+    "projected_tau", "rank_candidates", "report_cpu_backend", "retune_folder", "sampling_tuning", "settings_of",
+    "speculation_settings", "target_step", "tree_draft_seconds", "tune_batch_sizes", "tune_drafter", "tune_sampling", "verify_cost_curve",
     "verify_paths",
 ]

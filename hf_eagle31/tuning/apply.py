@@ -14,14 +14,14 @@ from transformers import PreTrainedModel
 from hf_eagle31.generation import drafting_dtype, prepare_drafter
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.tuning.measure import BATCH_SIZES, batch_costs, calibrate_families, choose_tree_shape, settings_of
-from hf_eagle31.tuning.predict import TuningReport, batch_shapes, sampling_tuning
+from hf_eagle31.tuning.predict import TuningReport, batch_shapes, report_cpu_backend, sampling_tuning
 
 SAMPLING_TEMPERATURE = 1.0  # the temperature `sampling_shape` is calibrated at; it serves every sampling call
 
 
 def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None:
     """Store the best chain length, the best tree, the faster mode and the verify path they were measured on
-    (`pack_weights`) in the drafter's generation config, the shape predicted fastest for each batch size
+    (`cpu_backend`) in the drafter's generation config, the shape predicted fastest for each batch size
     (`batch_shapes`) and for sampling (`sampling_shape`).
 
     `report` may also be a saved `TuningReport.as_dict()` (a resumed benchmark reuses its tuning).
@@ -42,8 +42,9 @@ def apply_choice(drafter: Eagle3DraftModel, report: TuningReport | dict) -> None
     config.max_speculation_depth = max(chain.get("tree_depth", 1), tree.get("tree_depth", 1))
     config.speculation_mode = "chain" if choice["tree_top_k"] == 1 else "tree"
     config.dynamic_speculation = False
-    if "pack_weights" in report:  # a report from before tuning chose the path: measured packed where it could, kept
-        config.pack_weights = report["pack_weights"]
+    cpu_backend = report_cpu_backend(report)
+    if cpu_backend is not None:  # None: a report from before tuning chose the path, measured on the CPU backend
+        config.cpu_backend = cpu_backend  # where it could: the drafter's setting kept
     if "draft_mode" in choice:  # timed both ways where the device replays static drafts
         config.draft_mode = choice["draft_mode"]
     config.batch_shapes = batch_shapes(report) if report.get("batch_costs") else None
@@ -65,7 +66,7 @@ def tune_drafter(target: PreTrainedModel, drafter: Eagle3DraftModel, prompts: li
     report = choose_tree_shape(target, drafter, ranks, max_depth, max_tokens, frontier_by_top_k=frontier)
     if batch_sizes:
         report.batch_costs = batch_costs(target, drafter, list(top_ks), min(max_depth, BATCH_MAX_DEPTH), batch_sizes,
-                                         pack=report.pack_weights)
+                                         cpu_backend=report.cpu_backend)
     if sampling_temperature is not None:  # the same costs, the acceptance of sampling
         report.sampling = tune_sampling(target, drafter, report.as_dict(), prompts, max_new_tokens,
                                         sampling_temperature)["sampling"]
@@ -82,7 +83,7 @@ def tune_batch_sizes(target: PreTrainedModel, drafter: Eagle3DraftModel, report:
                      batch_sizes: tuple[int, ...] = BATCH_SIZES) -> dict:
     """Add batched costs to a saved tuning report (its calibrated acceptance kept) and store `batch_shapes`."""
     report = {**report, "batch_costs": batch_costs(target, drafter, _families(report), BATCH_MAX_DEPTH, batch_sizes,
-                                                   pack=report.get("pack_weights"))}  # None: the drafter's setting
+                                                   cpu_backend=report_cpu_backend(report))}  # None: the drafter's
     drafter.generation_config.batch_shapes = batch_shapes(report)
     return report
 

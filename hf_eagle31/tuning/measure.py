@@ -9,7 +9,7 @@ and `choose_tree_shape` ranks every candidate on them (`hf_eagle31.tuning.predic
 Verification may run on the CPU backend (hf_eagle31.backends.cpu), and whether that pays depends on the CPU: on
 one a packed forward of a few tokens costs less than a plain step, on another more than torch's own path for the
 same tokens (docs/benchmarks.md). Packing the weights also costs each call a fixed time. So tuning measures both
-paths, spreads a call's packing over `CALL_TOKENS` tokens, and stores the faster path (`pack_weights`) with its
+paths, spreads a call's packing over `CALL_TOKENS` tokens, and stores the faster path (`cpu_backend`) with its
 shapes.
 """
 
@@ -27,7 +27,7 @@ from hf_eagle31.backends import backend_for
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.configuration import SpeculationSettings
 from hf_eagle31.drafting import DrafterState, DraftTree, Replay, draft_tree
-from hf_eagle31.generation import compiles_verify, eagle_verification, packs_weights, verify_mode
+from hf_eagle31.generation import checked_verify_mode, compiles_verify, eagle_verification, on_cpu_backend
 from hf_eagle31.modeling import Eagle3DraftModel, Products
 from hf_eagle31.tuning.predict import TuningReport, non_decreasing, rank_candidates
 from hf_eagle31.verify_plan import VerifyPlan
@@ -73,13 +73,13 @@ def verify_cost_curve(
     depth: int = 6,
     repeats: int = 5,
     mode: str = "batched",
-    pack: bool = False,
+    cpu_backend: bool = False,
     compiled: bool = False,
 ) -> dict[int, float]:
     """Seconds for one target forward verifying `n` tokens after a `context`-token prefix, for each n.
 
     Measured the way tree decoding verifies: EAGLE's attention function in `mode`, a tree-shaped
-    mask, the drafter's features captured, on the CPU backend if `pack` (where it serves the target), compiled if
+    mask, the drafter's features captured, on the CPU backend if `cpu_backend` (where it serves the target), compiled if
     `compiled` (`compile_verify`: the warm-up compiles).
     """
     device = target.device
@@ -88,7 +88,7 @@ def verify_cost_curve(
     with eagle_verification(target):
         cache = DynamicCache(config=target.config)
         target(prompt, **{CACHE_KWARG: cache})
-        _, verify = backend_for(target, pack).target_forwards(target, target_layer_ids, compiled)
+        _, verify = backend_for(target, cpu_backend).target_forwards(target, target_layer_ids, compiled)
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
             plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
@@ -148,10 +148,10 @@ def settings_of(drafter: Eagle3DraftModel) -> SpeculationSettings:
     return SpeculationSettings.of(drafter.generation_config)
 
 
-def verify_paths(target: PreTrainedModel, drafter: Eagle3DraftModel) -> tuple[bool, ...]:
-    """The verify paths tuning compares, as `pack_weights` values: the CPU backend where it serves the target (not
+def verify_paths(target: PreTrainedModel, settings: SpeculationSettings) -> tuple[bool, ...]:
+    """The verify paths tuning compares, as `cpu_backend` values: the CPU backend where it serves the target (not
     under "exact" verification, which computes on the plain weights), and the default backend."""
-    return (True, False) if backend_for(target, True).name != "default" and verify_mode(settings_of(drafter)) != "exact" \
+    return (True, False) if backend_for(target, True).name != "default" and settings.verify_mode != "exact" \
         else (False,)
 
 
@@ -176,16 +176,18 @@ BATCH_BLOCK_SIZES = (*range(1, 10), 12, 16)  # tokens per row of a batched verif
 @torch.no_grad()
 def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list[int], max_depth: int,
                 batch_sizes: tuple[int, ...] = BATCH_SIZES, context: int = 256, repeats: int = 3,
-                pack: bool | None = None) -> dict:
+                cpu_backend: bool | None = None) -> dict:
     """Seconds per batched verify forward (B rows of n tokens) and per batched draft, run as batched decoding runs them,
-    on packed weights if `pack` (None: as the drafter's `pack_weights` says).
+    on the CPU backend if `cpu_backend` (None: as the drafter's `cpu_backend` says).
 
     Measured, not scaled from one row: on a CPU a batch makes the target's step compute-bound, so
     the extra tokens of a draft cost more than they do for one row.
     """
     device, vocab = target.device, target.config.get_text_config().vocab_size
     verify, draft, plain = {}, {}, {}
-    pack = packs_weights(settings_of(drafter)) if pack is None else pack
+    settings = settings_of(drafter)
+    cpu_backend = on_cpu_backend(settings) if cpu_backend is None else cpu_backend
+    compiled = compiles_verify(settings, cpu_backend)
 
     def block_cost(cache: DynamicCache, batch: int, n: int, verify) -> float:
         tokens = torch.randint(3, vocab, (batch, n), device=device)
@@ -200,7 +202,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
         return best_of(forward, repeats)
 
     after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
-    layer_ids, backend = drafter.config.target_layer_ids, backend_for(target, pack)
+    layer_ids, backend = drafter.config.target_layer_ids, backend_for(target, cpu_backend)
     with eagle_verification(target):
         _, plain_verify = backend_for(target, False).target_forwards(target, layer_ids)
         for batch in batch_sizes:
@@ -208,7 +210,7 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             target(torch.randint(3, vocab, (batch, context), device=device), **{CACHE_KWARG: cache})
             plain[batch] = block_cost(cache, batch, 1, plain_verify)  # the target's own weights: a plain step
             # as decoding does: this backend's verify forward and products
-            _, verify_on = backend.target_forwards(target, layer_ids, compiles_verify(settings_of(drafter), pack))
+            _, verify_on = backend.target_forwards(target, layer_ids, compiled)
             verify[batch] = {n: block_cost(cache, batch, n, verify_on) for n in BATCH_BLOCK_SIZES}
             products = backend.products(drafter)
             draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target, products)
@@ -280,8 +282,9 @@ def choose_tree_shape(
     and `max_tokens` tokens (a chain of `max_depth` for k = 1), see `calibrate`.
     """
     sizes = [n for n in VERIFY_SIZES if n <= max_tokens + 1]
-    mode = verify_mode(settings_of(drafter))
-    paths = verify_paths(target, drafter)
+    settings = settings_of(drafter)
+    mode = checked_verify_mode(settings)
+    paths = verify_paths(target, settings)
     layer_ids = drafter.config.target_layer_ids
     # Why passes: a shared CPU drifts in speed over seconds, both ways (a neighbour's load comes and goes), so each
     # cost is its median over passes in different minutes: one pass's slow or fast minute at one size does not bend
@@ -291,35 +294,36 @@ def choose_tree_shape(
     passes = []
     for _ in range(TUNING_ROUNDS):
         curves, drafts = {}, {}
-        for pack in paths:
-            curves[pack] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode, pack=pack,
-                                             compiled=compiles_verify(settings_of(drafter), pack))
-            backend = backend_for(target, pack)
+        for cpu_backend in paths:
+            curves[cpu_backend] = verify_cost_curve(target, sizes, layer_ids, context=context, mode=mode,
+                                                    cpu_backend=cpu_backend,
+                                                    compiled=compiles_verify(settings, cpu_backend))
+            backend = backend_for(target, cpu_backend)
             products, replay = backend.products(drafter), backend.draft_replay(drafter)
             # every width a candidate drafts (a family's smaller trees are narrower); narrowed, and static where the
             # device replays a static draft (a static draft that is not replayed drafts the same levels, never fewer)
             for static in (False, True) if replay is not None else (False,):
-                drafts[pack, static] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target,
+                drafts[cpu_backend, static] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target,
                                                           products=products, static=static, replay=replay)
                                             for d in range(1, max_depth + 1)}
                                         for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))
     plain = median(p[0][False][1] for p in passes)  # the default path's one-token forward: a plain step
     reports = []
-    for pack, static in passes[0][1]:
-        curve = non_decreasing({n: median(p[0][pack][n] for p in passes) for n in sizes})
-        drafts = {k: non_decreasing({d: median(p[1][pack, static][k][d] for p in passes) for d in depths})
-                  for k, depths in passes[0][1][pack, static].items()}
-        per_call = median(p[2] for p in passes) if pack else 0.0
+    for cpu_backend, static in passes[0][1]:
+        curve = non_decreasing({n: median(p[0][cpu_backend][n] for p in passes) for n in sizes})
+        drafts = {k: non_decreasing({d: median(p[1][cpu_backend, static][k][d] for p in passes) for d in depths})
+                  for k, depths in passes[0][1][cpu_backend, static].items()}
+        per_call = median(p[2] for p in passes) if cpu_backend else 0.0
         candidates = rank_candidates(curve, drafts, ranks_by_top_k, plain, per_call,
                                      None if static else frontier_by_top_k)  # a static draft drafts every level
-        if (pack, True) in passes[0][1]:
+        if (cpu_backend, True) in passes[0][1]:
             for candidate in candidates:
                 candidate["draft_mode"] = "static" if static else "narrowed"
         reports.append(TuningReport(curve, drafts, plain, candidates, ranks_by_top_k, frontier_by_top_k or {},
-                                    pack_weights=pack, pack_seconds=per_call))
-    paths_best = {("packed" if report.pack_weights else "default") + (f", {report.choice['draft_mode']}"
-                                                                        if "draft_mode" in report.choice else ""):
+                                    cpu_backend=cpu_backend, pack_seconds=per_call))
+    paths_best = {("packed" if report.cpu_backend else "default") + (f", {report.choice['draft_mode']}"
+                                                                       if "draft_mode" in report.choice else ""):
                   report.choice for report in reports}
     best = max(reports, key=lambda report: report.choice["speedup"])
     best.paths = paths_best

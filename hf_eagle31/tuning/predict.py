@@ -35,7 +35,7 @@ class TuningReport:
     calibration_frontier_ranks: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)  # the same
     batch_costs: dict = field(default_factory=dict)  # see `batch_costs`
     sampling: dict = field(default_factory=dict)  # see `sampling_tuning`
-    pack_weights: bool = False  # whether these costs are on packed weights: the path chosen
+    cpu_backend: bool = False  # whether these costs are on the CPU backend: the path chosen
     pack_seconds: float = 0.0  # packing and unpacking the weights, once a call (0 on torch's default path)
     paths: dict = field(default_factory=dict)  # "packed" / "default" -> that path's fastest candidate
 
@@ -62,10 +62,16 @@ class TuningReport:
             "calibration_frontier_ranks": self.calibration_frontier_ranks,
             "batch_costs": self.batch_costs,
             "sampling": self.sampling,
-            "pack_weights": self.pack_weights,
+            "cpu_backend": self.cpu_backend,
             "pack_seconds": self.pack_seconds,
             "paths": self.paths,
         }
+
+
+def report_cpu_backend(report: dict) -> bool | None:
+    """The verify path a saved report's costs were measured on (`TuningReport.cpu_backend`; "pack_weights" in a report
+    saved before the setting was renamed), None in one saved before tuning chose the path."""
+    return report.get("cpu_backend", report.get("pack_weights"))
 
 
 def projected_tau(accepted_ranks: list[list[int]], total_tokens: int, depth: int) -> float:

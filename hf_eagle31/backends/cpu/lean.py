@@ -4,7 +4,7 @@ dispatch.
 Why: on a CPU, transformers' machinery around the products (module calls, keyword plumbing, the attention
 interface, output capturing; on the CPU backend also `ProductsMode` seeing every op) is a sizeable share of a
 verify step (docs/benchmarks.md). The forward below computes the same
-products in the same order (transformers' own
+operations in the same order (transformers' own
 norm and `rotate_half` in its rotary formula, EAGLE's own attention function) on the same products
 and cache, so its logits, features and cache equal the transformers path's bit for bit
 (tests/test_lean.py compares them). It runs only where that holds by construction:
@@ -50,7 +50,7 @@ from hf_eagle31.kernels.tree_attention import grouped_attention
 @dataclass(frozen=True)
 class Family:
     """One architecture's classes and `rotate_half`: the same layer design as Llama's (Qwen2 adds q/k/v biases,
-    which the packed products carry)."""
+    which the products carry)."""
 
     layer: type
     attention: type

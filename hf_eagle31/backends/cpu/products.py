@@ -6,7 +6,7 @@ which costs more than a one-row step although a step is bound by streaming the w
 Two ways stream them at the memory's rate: the rows kernel on the weights as they are (on an AVX-512
 CPU, rows.py: nothing to copy), and oneDNN's inner product over a copy of the weights reordered into
 its blocked layout (a second copy of every linear weight for as long as the products are held, one
-`generate` call or a `packed_weights` block). Which serves which row count is measured (routes.py).
+`generate` call or a `hold_products` block). Which serves which row count is measured (routes.py).
 Linear layers of one module that read the same input (q/k/v, gate/up) are one product: each
 oneDNN product has a fixed cost beside its bytes.
 
@@ -14,7 +14,7 @@ The model is only read: its weights, hooks and forwards stay as they are, and a 
 products only where this call asks for them (the lean forward and the drafter take them by name; a
 transformers forward runs under `ProductsMode`, which this thread alone enters). So an interrupt at
 any point, a plain call in another thread, a layer patched by the user or accelerate, a save or a
-training step inside a `packed_weights` block all meet the model as it is. Held products go stale when
+training step inside a `hold_products` block all meet the model as it is. Held products go stale when
 a weight changes, through any path (`Products.fresh` compares what they were made from): they are then
 made again. Every change to a thread's state (the products it multiplies by, `ProductsMode` on its mode
 stack, a model's held products) is made and undone whole under Ctrl-C (`interrupts.Held`).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -209,7 +210,7 @@ def _groups(model: nn.Module) -> list[list[nn.Linear]]:
 
 class Products:
     """The products of one model's linear layers (`Product`), made from its weights and held here, not in it.
-    `held`: they may serve later calls (`packed_weights`), so they remember what they copied (`Product.checked`)."""
+    `held`: they may serve later calls (`hold_products`), so they remember what they copied (`Product.checked`)."""
 
     def __init__(self, model: nn.Module, held: bool = False):
         self.by_layer: dict[int, tuple[nn.Linear, Product, int]] = {}  # id(layer) -> (layer, product, member)
@@ -339,7 +340,7 @@ def _held(model: nn.Module) -> Products | None:
 
 
 def products_for(model: nn.Module) -> Products:
-    """The model's products for one call: those a `packed_weights` block holds while they are fresh, else new ones:
+    """The model's products for one call: those a `hold_products` block holds while they are fresh, else new ones:
     the block's from then on, or the call's own outside a block."""
     held = _held(model)
     if held is not None and held.fresh():
@@ -353,12 +354,12 @@ def products_for(model: nn.Module) -> Products:
     return products
 
 
-def packed_weights(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
+def hold_products(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
     """Hold the model's products for the block, so that the EAGLE calls inside do not each make their own. Each
     EAGLE `generate` call otherwise makes them for itself (oneDNN's copies of the weights, a fixed time a call;
     nothing where the rows kernel reads the weights as they are); a serving loop pays that once:
 
-        with packed_weights(target), packed_weights(drafter):
+        with hold_products(target), hold_products(drafter):
             for prompt in prompts:
                 target.generate(prompt, assistant_model=drafter)
 
@@ -386,3 +387,10 @@ def packed_weights(model: nn.Module, enabled: bool = True) -> contextlib.Abstrac
                 del _HELD[model]
 
     return Held(hold, release)
+
+
+def packed_weights(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
+    """`hold_products`' old name, kept until hf_eagle31 0.2."""
+    warnings.warn("hf_eagle31.packed_weights is now called hf_eagle31.hold_products, the same context; the old name "
+                  "goes in hf_eagle31 0.2: use hold_products", FutureWarning, stacklevel=2)
+    return hold_products(model, enabled)

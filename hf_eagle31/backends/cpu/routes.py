@@ -122,7 +122,7 @@ def choose(seconds: dict[str, list[float]]) -> tuple[str, ...]:
     """The fastest implementation at each row count, from `measure`'s seconds; oneDNN's only where its copy pays.
 
     Why the condition: oneDNN's product needs a reordered copy of every weight, made for each call (or held by
-    `packed_weights`) whichever row counts use it, so a row count or two where it is measured a little faster (or
+    `hold_products`) whichever row counts use it, so a row count or two where it is measured a little faster (or
     where other work slowed the others down) would cost every call that copy. It is a route only where it is
     faster than the copy-free implementations over all row counts together."""
     plain = [name for name in seconds if name != "onednn"]
