@@ -376,7 +376,8 @@ def check_plain(generation_config: GenerationConfig) -> None:
 
 @torch.no_grad()
 def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
-                  generation_config: GenerationConfig, streamer=None, tokenizer=None, **model_kwargs):
+                  generation_config: GenerationConfig, streamer=None, tokenizer=None, compile_step: bool = False,
+                  **model_kwargs):
     """Plain decoding (one token a step, no drafter) on this package's fastest forward for the target, passed to
     `generate` as its decoding method:
 
@@ -388,22 +389,31 @@ def fast_decoding(model: PreTrainedModel, input_ids: torch.LongTensor, logits_pr
     streamers; the routing hands it the `streamer` and `tokenizer` transformers keeps from `custom_generate`
     functions). The logits come from the products EAGLE verifies with, so greedy output equals plain
     `generate`'s up to near-ties in bf16, as EAGLE's does. Benchmarks compare EAGLE with it as the target's best
-    plain decoding. Beam search and the other multi-candidate modes are refused (`check_plain`)."""
+    plain decoding. Beam search and the other multi-candidate modes are refused (`check_plain`).
+
+    `compile_step=True` (a keyword of `generate`) runs the lean forward's step as one inductor graph, as a drafter's
+    `compile_verify` does for its verify blocks: the first call of a process compiles (a minute or more), later ones
+    reuse the graph. Where the lean forward does not serve the target it says so and runs eagerly."""
     check_plain(generation_config)
     check_target(model)
     check_inputs(model, input_ids, generation_config, model_kwargs)
-    speculation = plain_speculation()
+    speculation = plain_speculation(compile_step)
     with eagle_verification(model):
+        prepared = prepared_for(model, None, speculation)
+        if compile_step and not prepared.compiled:
+            warnings.warn("fast_decoding(compile_step=True): this target's step has no compiled forward here (it "
+                          "needs the CPU backend's lean forward: a Llama, Mistral or Qwen2 target in fp32 or bf16 on a "
+                          "CPU, no hooks or sliding windows), so it runs eagerly", stacklevel=3)
         return eagle_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, None,
-                              speculation, prepared_for(model, None, speculation), streamer, **model_kwargs)
+                              speculation, prepared, streamer, **model_kwargs)
 
 
-def plain_speculation() -> Speculation:
+def plain_speculation(compile_step: bool = False) -> Speculation:
     """`fast_decoding`'s plan: no drafts, "batched" verify forwards of one token, on the CPU backend where it serves
-    the target (as `cpu_backend=True` runs a drafter's), never compiled."""
+    the target (as `cpu_backend=True` runs a drafter's), compiled with `compile_step`."""
     return Speculation(mode="plain", tree_top_k=1, tree_total_tokens=1, controller=DepthController(1, 1, 1),
                        monitor=CollapseMonitor(enabled=False), verify_chunk_depth=None, verify_mode="batched",
-                       cpu_backend=True, compile_verify=False, static_draft=False)
+                       cpu_backend=True, compile_verify=compile_step, static_draft=False)
 
 
 # --- the wrappers `install` puts on GenerationMixin -----------------------------------------------

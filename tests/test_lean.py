@@ -198,6 +198,30 @@ def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(mon
     assert torch.equal(other.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=24, assistant_model=drafter), own)
 
 
+def test_fast_decoding_compiles_its_one_token_steps_and_decodes_as_plain_greedy(monkeypatch):
+    """`compile_step=True`: fast_decoding's steps run inductor's graph of the lean forward (one graph for every
+    later call and context length) and give plain greedy's output (fp32); where the lean forward does not serve
+    the target, it says so and runs eagerly."""
+    target = make_target()
+    calls = []
+    compiled = llama_verify.compiled_decoder()
+    monkeypatch.setattr(llama_verify, "compiled_decoder", lambda: lambda *args: calls.append(1) or compiled(*args))
+    for prompt, new in ((PROMPTS[:1, :4], 24), (PROMPTS[1:2], 40)):
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=new)
+        with torch._dynamo.config.patch(error_on_recompile=len(calls) > 0):
+            fast = target.generate(prompt, do_sample=False, max_new_tokens=new, custom_generate=hf_eagle31.fast_decoding,
+                                   compile_step=True)
+        assert torch.equal(fast, plain)
+    assert len(calls) == 24 - 1 + 40 - 1  # every step but the prefill's first token
+    target.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=8, custom_generate=hf_eagle31.fast_decoding)
+    assert len(calls) == 24 - 1 + 40 - 1  # eager unless asked
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=_COMMON["vocab_size"])).eval()
+    with pytest.warns(UserWarning, match="compile_step=True.*runs eagerly"):
+        out = gpt2.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=8,
+                            custom_generate=hf_eagle31.fast_decoding, compile_step=True)
+    assert torch.equal(out, gpt2.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=8))
+
+
 KEYS_OF_A_FRESH_PROCESS = """
 import sys; sys.path.insert(0, sys.argv[1])
 from tiny_models import make_target

@@ -5,6 +5,7 @@
     prepared.verify(cache, plan, tokens, positions, compiled)   # raw logits [B, n, V], features [B, n, 3 H_t]
     prepared.draft_products                                     # the drafter forward's `products`, or None
     prepared.draft_replay                                       # a fixed-shape draft's replay (CUDA graphs), or None
+    prepared.compiled                                           # whether the verify forwards run as one inductor graph
 
 The default backend runs transformers' forward unchanged (`verification.verify_forward`) and the drafter's
 layers as modules. The CPU backend (cpu/) computes the same products faster on a CPU and, for a
@@ -36,23 +37,34 @@ from hf_eagle31.verify_plan import VerifyPlan
 Verify = Callable[[Cache, VerifyPlan, torch.Tensor, torch.Tensor, Callable | None], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class TargetForwards:
+    """How one call runs the target: its forward for anything but a verify block (the prefill: `forward(**inputs)`)
+    and its verify forward; `compiled`: whether the verify forwards run as one inductor graph (`compile_verify`)."""
+
+    forward: Callable[..., object]
+    verify: Verify
+    compiled: bool = False
+
+
 @dataclass
 class Prepared:
-    """What one call runs the target's forwards and the drafter's products on."""
+    """What one call runs the target's forwards and the drafter's products on (`TargetForwards`' fields beside
+    the drafter's)."""
 
-    forward: Callable[..., object]  # the target's forward for anything but a verify block (the prefill)
+    forward: Callable[..., object]
     verify: Verify
     draft_products: Products | None
     draft_replay: Replay | None = None
+    compiled: bool = False
 
 
 class Backend(Protocol):
     name: str
 
     def target_forwards(self, target: PreTrainedModel, target_layer_ids: list[int],
-                        compile_verify: bool = False) -> tuple[Callable[..., object], Verify]:
-        """The target's forward for a call's other forwards (the prefill: `forward(**inputs)`) and its verify
-        forward, capturing the features at `target_layer_ids`."""
+                        compile_verify: bool = False) -> TargetForwards:
+        """The target's forwards for one call, its verify forward capturing the features at `target_layer_ids`."""
 
     def products(self, model: torch.nn.Module) -> Products | None:
         """Products for the model's linear layers (`modeling.linear_outputs`), None: its layers' own calls."""
@@ -65,10 +77,11 @@ def prepare(backend: Backend, target: PreTrainedModel, drafter: Eagle3DraftModel
             compile_verify: bool = False) -> Prepared:
     """What one call runs on; without a drafter (`fast_decoding`) no features are captured."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else []
+    forwards = backend.target_forwards(target, layer_ids, compile_verify)
     if drafter is None:
-        return Prepared(*backend.target_forwards(target, layer_ids, compile_verify), None)
-    return Prepared(*backend.target_forwards(target, layer_ids, compile_verify), backend.products(drafter),
-                    backend.draft_replay(drafter))
+        return Prepared(forwards.forward, forwards.verify, None, compiled=forwards.compiled)
+    return Prepared(forwards.forward, forwards.verify, backend.products(drafter), backend.draft_replay(drafter),
+                    forwards.compiled)
 
 
 class DefaultBackend:
@@ -77,11 +90,11 @@ class DefaultBackend:
     name = "default"
 
     def target_forwards(self, target: PreTrainedModel, target_layer_ids: list[int],
-                        compile_verify: bool = False) -> tuple[Callable[..., object], Verify]:
+                        compile_verify: bool = False) -> TargetForwards:
         def verify(cache, plan, tokens, positions, compiled=None):
             return verify_forward(target, cache, plan, tokens, positions, target_layer_ids, compiled)
 
-        return target, verify
+        return TargetForwards(target, verify)
 
     def products(self, model: torch.nn.Module) -> None:
         return None

@@ -232,15 +232,19 @@ def prepare_out(args: argparse.Namespace, meta: dict) -> Path:
     return out
 
 
-def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False, sampling: bool = False):
+def methods_for(drafters, assistant, lookup_tokens, verify_modes: bool = False, sampling: bool = False,
+                compiled: bool = False):
     """The rows of the table. A drafter's chain and tree are its greedy-tuned ones; when `sampling`, the shape
-    tuned for sampling (`sampling_shape`) is a row of its own, so the two calibrations meet in one run."""
+    tuned for sampling (`sampling_shape`) is a row of its own, so the two calibrations meet in one run. `compiled`
+    (`--compile-verify`): the drafters verify with the compiled lean forward, so fast decoding compiles its step
+    too, or the best plain decoding would be handicapped against them."""
     from hf_eagle31.bench.runner import Method
 
     from hf_eagle31.generation import fast_decoding
 
     # plain generate as users run it by default, then the fastest plain decoding this package offers
-    methods = [Method("target alone"), Method("target alone, fast decoding", {"custom_generate": fast_decoding})]
+    fast = {"custom_generate": fast_decoding, **({"compile_step": True} if compiled else {})}
+    methods = [Method("target alone"), Method("target alone, fast decoding", fast)]
     if assistant is not None:
         methods.append(Method("assisted (small LM)", {"assistant_model": assistant}))
     methods.append(Method("prompt lookup", {"prompt_lookup_num_tokens": lookup_tokens}))
@@ -365,7 +369,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     else:
         tuning = tune(target, drafters, calibration, args.max_new_tokens, out, args.resume, args.temperature)
         meta["tuning_source"] = "this run (calibration prompts, then this device's costs)"
-    methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes, args.temperature > 0)
+    methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes, args.temperature > 0,
+                          args.compile_verify)
     per_dataset = run_in_parts(target, measured, methods, args)
     results = combine([r for r, _ in per_dataset.values()])
     prompts = sum(n for _, n in per_dataset.values())

@@ -40,7 +40,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "speed, else the target's); drafting in bf16 beside an fp32 target streams half the bytes, and the target's "
         "verification keeps the output exact")
     add("--compile-verify", action="store_true", help="the drafters' calls verify with the compiled lean forward "
-        "(compile_verify; its first call compiles, for minutes); --verify-cost measures that path too")
+        "(compile_verify) and fast decoding compiles its step (compile_step); their first calls compile, for "
+        "minutes; --verify-cost measures that path too")
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
     add("--verify-cost", action="store_true", help="measure the verify-cost curve t(n)/t(1) on torch's default path "

@@ -88,7 +88,7 @@ def verify_cost_curve(
     with eagle_verification(target):
         cache = DynamicCache(config=target.config)
         target(prompt, **{CACHE_KWARG: cache})
-        _, verify = backend_for(target, cpu_backend).target_forwards(target, target_layer_ids, compiled)
+        verify = backend_for(target, cpu_backend).target_forwards(target, target_layer_ids, compiled).verify
         for n in sizes:
             tree = _bushy_tree(n, depth, device)
             plan = VerifyPlan.for_cache(tree.ancestor_mask()[None], cache, mode)
@@ -204,13 +204,13 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
     after_target = target_step(target)  # before each timed draft, as decoding drafts after a verify forward
     layer_ids, backend = drafter.config.target_layer_ids, backend_for(target, cpu_backend)
     with eagle_verification(target):
-        _, plain_verify = backend_for(target, False).target_forwards(target, layer_ids)
+        plain_verify = backend_for(target, False).target_forwards(target, layer_ids).verify
         for batch in batch_sizes:
             cache = DynamicCache(config=target.config)
             target(torch.randint(3, vocab, (batch, context), device=device), **{CACHE_KWARG: cache})
             plain[batch] = block_cost(cache, batch, 1, plain_verify)  # the target's own weights: a plain step
             # as decoding does: this backend's verify forward and products
-            _, verify_on = backend.target_forwards(target, layer_ids, compiled)
+            verify_on = backend.target_forwards(target, layer_ids, compiled).verify
             verify[batch] = {n: block_cost(cache, batch, n, verify_on) for n in BATCH_BLOCK_SIZES}
             products = backend.products(drafter)
             draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target, products)

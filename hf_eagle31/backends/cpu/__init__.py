@@ -1,15 +1,14 @@
-"""The CPU backend: the models' products held beside them (products.py: the rows kernel over fp32 weights as they
-are on an AVX-512 CPU, oneDNN's reordered copies otherwise), and for a Llama, Mistral or Qwen2 target a verify
-forward without transformers' module dispatch (lean.py), eager or compiled (`compile_verify`)."""
+"""The CPU backend: the models' products held beside them (products.py: each row count on the implementation
+measured fastest for it on the machine, routes.py: the rows kernel over the weights as they are, torch's product, or
+oneDNN's reordered copies), and for a Llama, Mistral or Qwen2 target a verify forward without transformers' module
+dispatch (lean.py), eager or compiled (`compile_verify`, fast_decoding's `compile_step`)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from torch import nn
 from transformers import PreTrainedModel
 
-from hf_eagle31.backends import Verify
+from hf_eagle31.backends import TargetForwards
 from hf_eagle31.backends.cpu import lean
 from hf_eagle31.backends.cpu.products import Products, can_pack, products_for
 from hf_eagle31.verification import verify_forward
@@ -22,7 +21,7 @@ class CpuBackend:
         return can_pack(target)
 
     def target_forwards(self, target: PreTrainedModel, target_layer_ids: list[int],
-                        compile_verify: bool = False) -> tuple[Callable[..., object], Verify]:
+                        compile_verify: bool = False) -> TargetForwards:
         """Both on one set of products. The prefill runs on them too: in bf16 torch's own path reorders every
         weight for oneDNN at each forward, which the products did once."""
         products = products_for(target)
@@ -41,7 +40,7 @@ class CpuBackend:
             with products.active(mode=True):
                 return verify_forward(target, cache, plan, tokens, positions, target_layer_ids)
 
-        return forward, verify
+        return TargetForwards(forward, verify, room is not None and room.compiled)
 
     def products(self, model: nn.Module) -> Products | None:
         return products_for(model) if can_pack(model) else None

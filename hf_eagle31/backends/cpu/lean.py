@@ -13,8 +13,8 @@ windows, a product for every projection (products.py), no hooks or replaced forw
 steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
 Anything else, on any device, runs the target's own forward. Two things are done differently, with the same
 numbers: the queries and keys are rotated in one go, and the cache grows in place (`CacheRoom`) instead of by
-concatenation. With `compile_verify` the layers run as one inductor graph (`compiled_decoder`), with the same
-numbers but for the order of a few sums.
+concatenation. With `compile_verify` (fast_decoding's `compile_step`) the layers run as one inductor graph
+(`compiled_decoder`), with the same numbers but for the order of a few sums.
 """
 
 from __future__ import annotations
@@ -225,13 +225,13 @@ def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos:
 
 @functools.cache
 def compiled_decoder() -> Callable:
-    """`_decoder` compiled by inductor, for `compile_verify` (created once a process; dynamo compiles a graph per
+    """`_decoder` compiled by inductor, for `compile_verify` and `compile_step` (created once a process; dynamo compiles a graph per
     target, dtype and batch size, for any block size, cache length and packing of the weights: `product_keys`).
 
     Why: on a CPU the eager forward spends much of its time between the products, in dozens of small operations a
     layer, each costlier than in a loop because the products streaming the weights evict the code and data they
-    run on; inductor fuses them into a few C++ kernels, and its C++ wrapper (`cpp_wrapper`) calls those and the
-    products without Python in between. `emulate_precision_casts` rounds as eager does after
+    run on; inductor fuses them into a few C++ kernels, and its C++ wrapper (`cpp_wrapper`) calls those, and the
+    products through the dispatcher (`packed_product`), with no module dispatch in between. `emulate_precision_casts` rounds as eager does after
     each bf16 operation (bf16 logits eager's, or one bf16 rounding apart where a fused sum runs in another
     order); fp32 sums in another order too (logits a rounding error apart from eager's).
     """
@@ -263,14 +263,18 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     config = model.config
     mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
     inputs = x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
-    if room.compiled and n > 1:  # one graph for every block size, none that equal another size by chance
+    # one graph for every block size, none that equal another size by chance; one-token forwards compile a graph
+    # of their own, so only a plain call's steps (`fast_decoding`: no features) take one, not an EAGLE call's rare
+    # plain step (a fallback where drafting does not pay), which would stop to compile mid-call
+    if room.compiled and (n > 1 or not target_layer_ids):
         try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (slow)
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 x, features = compiled_decoder()(model, None, *inputs)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
-            raise RuntimeError("compile_verify=True: inductor could not compile the target's verify forward "
-                               f"({type(error).__name__}); install a C++ compiler (g++) or set "
-                               "drafter.generation_config.compile_verify = False") from error
+            raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "
+                               f"fast_decoding's compile_step=True: {type(error).__name__}); install a C++ compiler "
+                               "(g++), or run it eagerly: drafter.generation_config.compile_verify = False, "
+                               "compile_step=False") from error
     else:
         x, features = _decoder(model, room.products, *inputs)
     room.commit(cache, keys, values)
