@@ -230,9 +230,9 @@ def test_tuning_prices_each_size_at_its_median_over_passes_never_below_a_smaller
 
 
 @pytest.mark.skipif(not can_pack(make_target()), reason="oneDNN packed linears need a CPU build with mkldnn")
-@pytest.mark.parametrize("slow", ["packed", "default"])
+@pytest.mark.parametrize("slow", ["cpu backend", "default"])
 def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
-    """The packed weights pay on one CPU and not on another: tuning times both paths and keeps the faster one's
+    """The CPU backend pays on one CPU and not on another: tuning times both paths and keeps the faster one's
     shapes and its `cpu_backend`, which decoding then follows."""
     from hf_eagle31.tuning import measure
 
@@ -244,14 +244,14 @@ def test_tuning_stores_the_verify_path_measured_faster(monkeypatch, slow):
     def curve(target, sizes, layer_ids, cpu_backend=False, **kwargs):  # one real curve for both paths, one 3x slower
         if missing := [n for n in sizes if n not in base]:
             base.update(measured(target, missing, layer_ids, cpu_backend=False, **kwargs))
-        return {n: base[n] * (3.0 if cpu_backend == (slow == "packed") else 1.0) for n in sizes}
+        return {n: base[n] * (3.0 if cpu_backend == (slow == "cpu backend") else 1.0) for n in sizes}
 
     monkeypatch.setattr(measure, "verify_cost_curve", curve)
     monkeypatch.setattr(measure, "packing_cost", lambda *_: 0.0)
     ranks = {1: [[0, 1], [0], [0, 1, 2]] * 3}
     report = choose_tree_shape(target, drafter, ranks, max_depth=3, max_tokens=4, context=32)
-    assert report.cpu_backend is (slow == "default") and set(report.paths) == {"packed", "default"}
-    assert report.choice == report.paths["packed" if report.cpu_backend else "default"]
+    assert report.cpu_backend is (slow == "default") and set(report.paths) == {"cpu backend", "default"}
+    assert report.choice == report.paths["cpu backend" if report.cpu_backend else "default"]
     apply_choice(drafter, report)
     assert drafter.generation_config.cpu_backend is (slow == "default")
     from hf_eagle31.backends.cpu import products
@@ -335,7 +335,7 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys, monkeypatch):
     assert all(m["of_floor"] == pytest.approx(m["tokens_per_second"] / line["floor_tokens_per_second"])
                for m in results["methods"])
     assert {path: list(curve) for path, curve in line["verify_seconds"].items()} == \
-        {path: ["1", "2", "3", "4", "6", "8", "12", "16"] for path in ("default", "packed")}
+        {path: ["1", "2", "3", "4", "6", "8", "12", "16"] for path in ("default", "cpu backend")}
     printed = capsys.readouterr().out
     assert "**Roofline**: read bandwidth" in printed and "| default | 1.00 | 1.10 | 1.20 | 1.30 | 1.50 |" in printed
     assert f"the floor (a step's weights read once): {line['floor_seconds_per_token'] / 0.01:.2f} t(1)" in printed

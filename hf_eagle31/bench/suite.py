@@ -322,15 +322,11 @@ def uses_chat_template(tokenizer, args) -> bool:
 def run_benchmark(args: argparse.Namespace) -> int:
     """`hf-eagle31 bench`: every study the parsed `args` ask for, written to `args.out`."""
     from hf_eagle31.bench.drift import prompt_encoders, run_drift_study
-    from hf_eagle31.bench.report import (dataset_table, headline, markdown_table, roofline_text, tuning_table,
-                                         write_results)
-    from hf_eagle31.bench.runner import combine
 
     resolve_pair(args)
     datasets = {Path(path).stem: read_texts(path) for path in args.prompts}
     target, tokenizer, drafters, assistant = load_models(args)
     plain, _ = prompt_encoders(tokenizer, uses_chat_template(tokenizer, args))
-    encode = lambda text: torch.tensor([plain(text)], device=args.device)  # noqa: E731
     meta = {
         "command": command_line(args),
         "date": datetime.date.today().isoformat(),
@@ -354,6 +350,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
         texts = [t for texts in datasets.values() for t in split_prompts(texts, args.num_prompts)[0]]
         return run_batched_study(target, tokenizer, drafters, texts, plain, args, meta)
+    encode = lambda text: torch.tensor([plain(text)], device=args.device)  # noqa: E731
+    measured, calibration = measured_and_calibration(datasets, encode, args)
+    return run_comparison(target, drafters, assistant, measured, calibration, args, meta)
+
+
+def measured_and_calibration(datasets: dict[str, list[str]], encode, args: argparse.Namespace
+                             ) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """Each set's measured prompts, and the prompts tuning calibrates on: never a measured one."""
     measured, calibration = {}, []
     for name, texts in datasets.items():
         chosen, others = split_prompts(texts, args.num_prompts, max(1, CALIBRATION_PROMPTS // len(datasets)))
@@ -361,6 +365,15 @@ def run_benchmark(args: argparse.Namespace) -> int:
         calibration += [encode(t) for t in others]
     if args.calibration:  # prompts of their own: tuning never sees a measured prompt, however many are measured
         calibration = [encode(t) for t in split_prompts(read_texts(args.calibration), CALIBRATION_PROMPTS, 0)[0]]
+    return measured, calibration
+
+
+def run_comparison(target, drafters: dict, assistant, measured: dict[str, list[torch.Tensor]],
+                   calibration: list[torch.Tensor], args: argparse.Namespace, meta: dict) -> int:
+    """The methods' table over the measured prompts, with the draft shapes tuned (or shipped) and the roofline."""
+    from hf_eagle31.bench.report import write_results
+    from hf_eagle31.bench.runner import combine
+
     meta["prompts"] = {name: len(p) for name, p in measured.items()}
     out = prepare_out(args, meta)
     if args.no_tune:
@@ -380,6 +393,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
     roofline, verify = measure_roofline(target, drafters, args)
     write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None,
                   roofline, verify)
+    print_comparison(results, prompts, per_dataset, tuning, roofline, verify, meta)
+    print(f"\nwritten to {args.out}/ (results.json, results.md, speed.png, acceptance.png, verify_cost.png)")
+    return 0
+
+
+def print_comparison(results, prompts: int, per_dataset: dict, tuning: dict, roofline, verify, meta: dict) -> None:
+    from hf_eagle31.bench.report import dataset_table, headline, markdown_table, roofline_text, tuning_table
+
     print(markdown_table(results, prompts, tuning, roofline))
     if len(per_dataset) > 1:
         print("\n" + dataset_table({k: v[0] for k, v in per_dataset.items()}, {k: v[1] for k, v in per_dataset.items()}))
@@ -395,5 +416,3 @@ def run_benchmark(args: argparse.Namespace) -> int:
               + ", ".join(f"{n}: {r:.2f}" for n, r in projection["verify_cost_ratio"].items())
               + f"; best draft top-k {best['tree_top_k']}, depth {best['tree_depth']}, {best['tree_total_tokens']} "
               f"tokens, tau {best['tau']:.2f}, projected speedup {best['speedup']:.2f}x{verdict}")
-    print(f"\nwritten to {args.out}/ (results.json, results.md, speed.png, acceptance.png, verify_cost.png)")
-    return 0

@@ -22,8 +22,8 @@ from hf_eagle31.drafting import drafting_width
 from hf_eagle31.tuning import draft_cost, target_step, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-PATHS = {"default": False, "packed": True}  # name -> `cpu_backend`: the CPU backend's products (hf_eagle31.backends)
-COMPILED = "packed, compiled"  # the packed path's lean forward compiled (`compile_verify`), with --compile-verify
+PATHS = {"default": False, "cpu backend": True}  # name -> `cpu_backend`: the CPU backend's products (hf_eagle31.backends)
+COMPILED = "cpu backend, compiled"  # the CPU backend's lean forward compiled (`compile_verify`), with --compile-verify
 
 
 def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, compiled: bool = False,

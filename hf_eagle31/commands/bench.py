@@ -45,7 +45,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--no-tune", action="store_true", help="keep the drafters' tree shapes instead of tuning them here")
     add("--drift", action="store_true", help="run the EAGLE-3 vs EAGLE 3.1 attention-drift study instead")
     add("--verify-cost", action="store_true", help="measure the verify-cost curve t(n)/t(1) on torch's default path "
-        "and on packed weights instead (interleaved rounds)")
+        "and on the CPU backend instead (interleaved rounds)")
     add("--batch-sizes", help="run plain batched generate against batched EAGLE 3.1 chain and tree at these batch "
         "sizes instead (e.g. 1,4,8,16), on the same prompts")
     add("--project", nargs="+", metavar="SHAPE", help="also project speedups to real model shapes "

@@ -98,21 +98,7 @@ def write_model_card(
         overwrite: replace a README.md that this package did not write.
     """
     folder = Path(drafter_dir)
-    try:
-        if not (folder / "config.json").is_file():
-            raise OSError("no config.json")
-        if json.loads((folder / "config.json").read_text()).get("model_type") != Eagle3Config.model_type:
-            raise ValueError(f"its config.json is not an {Eagle3Config.model_type} config (save the drafter with "
-                             "save_pretrained, or convert another layout with `hf-eagle31 convert`)")
-        config = Eagle3Config.from_pretrained(folder)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{folder} does not hold a drafter config: {err}") from None
-    if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{folder} holds no drafter weights (*.safetensors): save the drafter there first")
-    readme = folder / "README.md"
-    if readme.is_file() and not overwrite and CARD_MARK not in readme.read_text(errors="replace"):
-        raise ValueError(f"{readme} was not written by hf-eagle31 and would be replaced: move it, or pass "
-                         "--overwrite (overwrite=True) to replace it")
+    config = saved_drafter_config(folder, overwrite)
     args_file = folder / "training_args.json"
     if training is None and args_file.exists():
         training = json.loads(args_file.read_text())
@@ -153,5 +139,26 @@ def write_model_card(
         bench_source=_bench_source(benchmark),
         depths=len(rows[0]["alpha"]) if rows else 0,
     )
-    card.save(readme)
+    card.save(folder / "README.md")
     return card
+
+
+def saved_drafter_config(folder: Path, overwrite: bool) -> Eagle3Config:
+    """The config of the drafter saved in `folder`, refused by name where the folder holds none, or no weights, or
+    a README.md this package did not write (unless `overwrite`)."""
+    try:
+        if not (folder / "config.json").is_file():
+            raise OSError("no config.json")
+        if json.loads((folder / "config.json").read_text()).get("model_type") != Eagle3Config.model_type:
+            raise ValueError(f"its config.json is not an {Eagle3Config.model_type} config (save the drafter with "
+                             "save_pretrained, or convert another layout with `hf-eagle31 convert`)")
+        config = Eagle3Config.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{folder} does not hold a drafter config: {err}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} holds no drafter weights (*.safetensors): save the drafter there first")
+    readme = folder / "README.md"
+    if readme.is_file() and not overwrite and CARD_MARK not in readme.read_text(errors="replace"):
+        raise ValueError(f"{readme} was not written by hf-eagle31 and would be replaced: move it, or pass "
+                         "--overwrite (overwrite=True) to replace it")
+    return config

@@ -332,6 +332,35 @@ def train_drafter(
         step_scheduler_with_optimizer=False,
     )
     set_seed(config.seed)
+    check_models(target, drafter, config, accelerator)
+    checkpoint = checkpoint_to_resume(out_dir, config)
+    sequences = training_sequences(target, data, tokenizer, config, out_dir, accelerator)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sequences, calibration = held_out(sequences, config)
+    if drafter is None:
+        drafter = new_drafter(target, config, sequences)
+        drafter.set_target_embedding(target.get_input_embeddings())
+    elif (config.draft_vocab_size or 0) > drafter.config.draft_vocab_size:  # the data asks for more tokens
+        widen_draft_vocab(drafter, target, token_counts(sequences, drafter.t2d.shape[0]), config.draft_vocab_size)
+    drafter.float().train()
+    run = prepare_run(target, drafter, sequences, config, accelerator)
+    run_steps(run, target, config, accelerator, out_dir, checkpoint)
+    accelerator.wait_for_everyone()
+    drafter = run.drafter.eval()
+    if accelerator.is_main_process:
+        if config.tune_prompts:
+            tune_on(target, drafter, calibration, config.answer_max_new_tokens, out_dir)
+        drafter.save_pretrained(out_dir)
+        write_training_args(out_dir, target, data, config, sequences, run.total)
+        from hf_eagle31.model_cards.card import write_model_card
+
+        write_model_card(out_dir, base_model=hub_id(target.name_or_path))
+    return drafter
+
+
+def check_models(target: PreTrainedModel, drafter: Eagle3DraftModel | None, config: TrainingConfig,
+                 accelerator: Accelerator) -> None:
+    """Freeze the target on the training device; a drafter to continue must fit it and keep its vocabulary."""
     target.requires_grad_(False).eval()
     if getattr(target, "hf_device_map", None) is None and not getattr(target, "is_quantized", False):
         target.to(accelerator.device)
@@ -340,24 +369,44 @@ def train_drafter(
         if (config.draft_vocab_size or drafter.config.draft_vocab_size) < drafter.config.draft_vocab_size:
             raise ValueError(f"the given drafter has a draft vocabulary of {drafter.config.draft_vocab_size} tokens, "
                              f"more than draft_vocab_size={config.draft_vocab_size}: a vocabulary can grow, not shrink")
-    checkpoint = latest_checkpoint(out_dir) if config.resume else None
+
+
+def checkpoint_to_resume(out_dir: Path, config: TrainingConfig) -> tuple[Path, int] | None:
+    """The latest checkpoint where the run resumes; refuses to start afresh over an earlier run's checkpoints."""
     if not config.resume and any((out_dir / "checkpoints").glob("step_*")):
         raise ValueError(f"{out_dir} holds checkpoints of an earlier run: resume it (--resume) or choose another "
                          "output folder")
+    return latest_checkpoint(out_dir) if config.resume else None
 
-    sequences = training_sequences(target, data, tokenizer, config, out_dir, accelerator)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if config.tune_prompts:  # held out of training: the draft shape is tuned on prompts the drafter never saw
-        if len(sequences) <= config.tune_prompts:
-            raise ValueError(f"{len(sequences)} training sequences cannot spare tune_prompts={config.tune_prompts} "
-                             "for tuning; give more data or set tune_prompts=0")
-        sequences, calibration = sequences[: -config.tune_prompts], sequences[-config.tune_prompts :]
-    if drafter is None:
-        drafter = new_drafter(target, config, sequences)
-        drafter.set_target_embedding(target.get_input_embeddings())
-    elif (config.draft_vocab_size or 0) > drafter.config.draft_vocab_size:  # the data asks for more tokens
-        widen_draft_vocab(drafter, target, token_counts(sequences, drafter.t2d.shape[0]), config.draft_vocab_size)
-    drafter.float().train()
+
+def held_out(sequences: list[TrainingSequence], config: TrainingConfig
+             ) -> tuple[list[TrainingSequence], list[TrainingSequence]]:
+    """The training sequences and the last `tune_prompts` held out of training: the draft shape is tuned on
+    prompts the drafter never saw."""
+    if not config.tune_prompts:
+        return sequences, []
+    if len(sequences) <= config.tune_prompts:
+        raise ValueError(f"{len(sequences)} training sequences cannot spare tune_prompts={config.tune_prompts} "
+                         "for tuning; give more data or set tune_prompts=0")
+    return sequences[: -config.tune_prompts], sequences[-config.tune_prompts :]
+
+
+@dataclass
+class Run:
+    """What the training loop steps: the unrolled drafter, its optimizer, schedule and batches, as accelerate
+    prepared them; `stage1` steps of the training-time test, then the acceptance stage up to `total`."""
+
+    model: torch.nn.Module
+    drafter: Eagle3DraftModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: torch.utils.data.DataLoader
+    stage1: int
+    total: int
+
+
+def prepare_run(target: PreTrainedModel, drafter: Eagle3DraftModel, sequences: list[TrainingSequence],
+                config: TrainingConfig, accelerator: Accelerator) -> Run:
     if config.feature_cache:
         with accelerator.main_process_first():
             dataset = build_feature_cache(target, sequences, drafter.config.target_layer_ids, config.feature_cache,
@@ -371,11 +420,16 @@ def train_drafter(
                                   weight_decay=0.0)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     stage1 = config.steps if config.steps is not None else config.epochs * math.ceil(len(loader) / config.grad_accum)
-    total = stage1 + config.acceptance_steps
     warmup = config.warmup_steps if config.warmup_steps is not None else min(100, stage1 // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, stage1))
     accelerator.register_for_checkpointing(scheduler)
+    return Run(model, accelerator.unwrap_model(model).drafter, optimizer, scheduler, loader, stage1,
+               stage1 + config.acceptance_steps)
 
+
+def run_steps(run: Run, target: PreTrainedModel, config: TrainingConfig, accelerator: Accelerator, out_dir: Path,
+              checkpoint: tuple[Path, int] | None) -> None:
+    """Optimizer steps from the checkpoint's (or 0) to `run.total`, logged, checkpointed every `save_every`."""
     step = 0
     if checkpoint is not None:
         try:
@@ -384,51 +438,39 @@ def train_drafter(
             raise ValueError(f"cannot resume from checkpoint {checkpoint[0]}: {type(err).__name__}: {err}") from None
         step = checkpoint[1]
     log = CsvLog(out_dir / LOG, config.ttt_steps, step, accelerator.is_main_process)
-    unwrapped = accelerator.unwrap_model(model).drafter
-    epoch, skip = divmod(step * config.grad_accum, len(loader))
-    progress = tqdm(total=total, initial=step, desc="training", unit="step", disable=not accelerator.is_local_main_process)
+    epoch, skip = divmod(step * config.grad_accum, len(run.loader))
+    progress = tqdm(total=run.total, initial=step, desc="training", unit="step",
+                    disable=not accelerator.is_local_main_process)
     sums: dict[str, float] = {}
-    while step < total:
-        loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+    while step < run.total:
+        run.loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
         skip = 0
         for batch in batches:
-            with accelerator.accumulate(model):
-                loss, row = training_step(model, unwrapped, target, batch, config, step >= stage1)
+            with accelerator.accumulate(run.model):
+                loss, row = training_step(run.model, run.drafter, target, batch, config, step >= run.stage1)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad()
+                    accelerator.clip_grad_norm_(run.model.parameters(), 1.0)
+                run.optimizer.step()
+                run.optimizer.zero_grad()
             for key, value in {"loss": loss.item(), **row}.items():
                 sums[key] = sums.get(key, 0.0) + value / config.grad_accum
             if not accelerator.sync_gradients:
                 continue
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            lr = run.scheduler.get_last_lr()[0]
+            run.scheduler.step()
             step += 1
-            log.write({"step": step, "stage": 2 if step > stage1 else 1, "lr": lr, **sums})
+            log.write({"step": step, "stage": 2 if step > run.stage1 else 1, "lr": lr, **sums})
             progress.set_postfix(loss=f"{sums['loss']:.4f}")
             progress.update()
             sums = {}
-            if step % config.save_every == 0 or step == total:
+            if step % config.save_every == 0 or step == run.total:
                 save_checkpoint(accelerator, out_dir, step)
-            if step >= total:
+            if step >= run.total:
                 break
         epoch += 1
     progress.close()
-
-    accelerator.wait_for_everyone()
-    drafter = unwrapped.eval()
-    if accelerator.is_main_process:
-        if config.tune_prompts:
-            tune_on(target, drafter, calibration, config.answer_max_new_tokens, out_dir)
-        drafter.save_pretrained(out_dir)
-        write_training_args(out_dir, target, data, config, sequences, total)
-        from hf_eagle31.model_cards.card import write_model_card
-
-        write_model_card(out_dir, base_model=hub_id(target.name_or_path))
-    return drafter
 
 
 def tune_on(target: PreTrainedModel, drafter: Eagle3DraftModel, held_out: list[TrainingSequence],

@@ -322,7 +322,7 @@ def choose_tree_shape(
                 candidate["draft_mode"] = "static" if static else "narrowed"
         reports.append(TuningReport(curve, drafts, plain, candidates, ranks_by_top_k, frontier_by_top_k or {},
                                     cpu_backend=cpu_backend, pack_seconds=per_call))
-    paths_best = {("packed" if report.cpu_backend else "default") + (f", {report.choice['draft_mode']}"
+    paths_best = {("cpu backend" if report.cpu_backend else "default") + (f", {report.choice['draft_mode']}"
                                                                        if "draft_mode" in report.choice else ""):
                   report.choice for report in reports}
     best = max(reports, key=lambda report: report.choice["speedup"])

@@ -37,7 +37,7 @@ class TuningReport:
     sampling: dict = field(default_factory=dict)  # see `sampling_tuning`
     cpu_backend: bool = False  # whether these costs are on the CPU backend: the path chosen
     pack_seconds: float = 0.0  # packing and unpacking the weights, once a call (0 on torch's default path)
-    paths: dict = field(default_factory=dict)  # "packed" / "default" -> that path's fastest candidate
+    paths: dict = field(default_factory=dict)  # "cpu backend" / "default" -> that path's fastest candidate
 
     def best(self, chain: bool) -> dict:
         """The fastest predicted chain (top_k 1) or tree (top_k > 1); {} if there is none."""
