@@ -17,7 +17,7 @@ import torch
 from shared import question_ids, run_arguments, write_report
 from transformers import AutoModelForCausalLM
 
-from hf_eagle31 import Eagle3DraftModel, drafting_dtype, hold_products
+from hf_eagle31 import Eagle3DraftModel, drafting_dtype, fast_decoding, hold_products
 
 
 def main() -> None:
@@ -30,7 +30,9 @@ def main() -> None:
                         "drafter keeps its best chain and best tree) instead of the faster one")
     parser.add_argument("--pack-once", action="store_true", help="pack the weights once for all questions")
     parser.add_argument("--compile-verify", action="store_true", help="the compiled verify forward (compile_verify; "
-                        "the warm-up call compiles)")
+                        "the warm-up call compiles); with --fast, fast decoding's compiled step (compile_step)")
+    parser.add_argument("--fast", action="store_true", help="without --drafter: plain decoding on fast_decoding, the "
+                        "package's fastest plain decoding, instead of generate at default settings")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -48,6 +50,8 @@ def main() -> None:
         drafter = drafter.to(getattr(torch, args.drafter_dtype) if args.drafter_dtype else drafting_dtype(target)).eval()
     prompts = question_ids(args.target, args.questions)
     greedy = {"do_sample": False, "assistant_model": drafter} if drafter else {"do_sample": False}
+    if args.fast and not drafter:
+        greedy |= {"custom_generate": fast_decoding, "compile_step": args.compile_verify}
     rows = []
     with contextlib.ExitStack() as packing:
         if args.pack_once and drafter:
@@ -71,7 +75,8 @@ def main() -> None:
                  if config.speculation_mode == "tree" else f"chain of {config.num_assistant_tokens}")
     write_report("hf_eagle31", args, rows, drafter_dtype=str(drafter.dtype).removeprefix("torch.") if drafter else None,
                  shape=shape, packed_once=bool(args.pack_once and drafter),
-                 compiled_verify=bool(args.compile_verify and drafter))
+                 compiled_verify=bool(args.compile_verify and drafter), fast_decoding=bool(args.fast and not drafter),
+                 compiled_step=bool(args.fast and args.compile_verify and not drafter))
 
 
 if __name__ == "__main__":
