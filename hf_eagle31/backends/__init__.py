@@ -37,7 +37,7 @@ from hf_eagle31.verify_plan import VerifyPlan
 Verify = Callable[[Cache, VerifyPlan, torch.Tensor, torch.Tensor, Callable | None], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class TargetForwards:
     """How one call runs the target: its forward for anything but a verify block (the prefill: `forward(**inputs)`)
     and its verify forward; `compiled`: whether the verify forwards run as one inductor graph (`compile_verify`)."""
@@ -48,15 +48,11 @@ class TargetForwards:
 
 
 @dataclass
-class Prepared:
-    """What one call runs the target's forwards and the drafter's products on (`TargetForwards`' fields beside
-    the drafter's)."""
+class Prepared(TargetForwards):
+    """What one call runs the target's forwards and the drafter's products on."""
 
-    forward: Callable[..., object]
-    verify: Verify
-    draft_products: Products | None
+    draft_products: Products | None = None
     draft_replay: Replay | None = None
-    compiled: bool = False
 
 
 class Backend(Protocol):
@@ -77,11 +73,10 @@ def prepare(backend: Backend, target: PreTrainedModel, drafter: Eagle3DraftModel
             compile_verify: bool = False) -> Prepared:
     """What one call runs on; without a drafter (`fast_decoding`) no features are captured."""
     layer_ids = drafter.config.target_layer_ids if drafter is not None else []
-    forwards = backend.target_forwards(target, layer_ids, compile_verify)
+    forwards = vars(backend.target_forwards(target, layer_ids, compile_verify))
     if drafter is None:
-        return Prepared(forwards.forward, forwards.verify, None, compiled=forwards.compiled)
-    return Prepared(forwards.forward, forwards.verify, backend.products(drafter), backend.draft_replay(drafter),
-                    forwards.compiled)
+        return Prepared(**forwards)
+    return Prepared(**forwards, draft_products=backend.products(drafter), draft_replay=backend.draft_replay(drafter))
 
 
 class DefaultBackend:
