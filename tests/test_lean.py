@@ -13,6 +13,8 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfi
 import hf_eagle31
 from hf_eagle31.backends import fast_bf16
 from hf_eagle31.backends.cpu import lean as llama_verify
+from hf_eagle31.backends.cpu import products as products_module
+from hf_eagle31.backends.cpu import routes
 from hf_eagle31.backends.cpu.products import Products, can_pack, packed_product
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.generation import eagle_verification
@@ -220,6 +222,21 @@ def test_fast_decoding_compiles_its_one_token_steps_and_decodes_as_plain_greedy(
         out = gpt2.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=8,
                             custom_generate=hf_eagle31.fast_decoding, compile_step=True)
     assert torch.equal(out, gpt2.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=8))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2: q/k/v biases, added by the kernel
+def test_a_compiled_one_token_step_multiplies_on_the_rows_kernel_without_calling_back_into_python(monkeypatch, arch):
+    """Where the rows kernel serves one row, fast_decoding's compiled step calls it from the graph on the layers' own
+    weights: no product goes through the Python op (`packed_product`), and the output is plain greedy's (fp32)."""
+    if not routes.on_kernel(1, torch.float32):
+        pytest.skip("the rows kernel does not multiply one fp32 row on this machine")
+    target = make_target(arch)
+    calls, original = [], products_module.packed_product
+    monkeypatch.setattr(products_module, "packed_product", lambda *args: calls.append(1) or original(*args))
+    plain = target.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=16)
+    fast = target.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=16, custom_generate=hf_eagle31.fast_decoding,
+                           compile_step=True)
+    assert torch.equal(fast, plain) and not calls
 
 
 KEYS_OF_A_FRESH_PROCESS = """

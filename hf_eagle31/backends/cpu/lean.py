@@ -35,6 +35,7 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from hf_eagle31 import verification
+from hf_eagle31.backends.cpu import routes
 from hf_eagle31.backends.cpu.products import (
     Products,
     active_products,
@@ -182,42 +183,57 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
     return CacheRoom(product_keys(target.model), compiled) if fits(target, products) else None
 
 
+def _product(key: int, x: torch.Tensor, out_features: int, linears: tuple[nn.Linear, ...],
+             direct: bool) -> torch.Tensor:
+    """The product under `key` of the layers `linears`. `direct`, in a compiled graph whose rows the rows kernel
+    serves (`routes.on_kernel`): the kernel itself on the layers' weights and biases, which are the product's
+    (`fits`), the same call `Product.whole` makes; the graph calls it through the dispatcher, where `packed_product`
+    calls back into Python at every product (a noticeable share of a one-token step)."""
+    if not direct:
+        return packed_product(key, x, out_features)
+    biases = [linear.bias for linear in linears]
+    bias = None if biases[0] is None else biases[0] if len(biases) == 1 else torch.cat(biases)
+    return torch.ops.hf_eagle31_rows.linear(x, [linear.weight for linear in linears], bias)
+
+
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
-               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: int, o: int) -> torch.Tensor:
+               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: int, o: int, direct: bool) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
     # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations);
     # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
-    heads = packed_product(qkv, x, (queries + 2 * kv) * size).view(*x.shape[:-1], -1, size)
+    heads = _product(qkv, x, (queries + 2 * kv) * size, (attention.q_proj, attention.k_proj, attention.v_proj),
+                     direct).view(*x.shape[:-1], -1, size)
     turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
     keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
     values[:, :, length:] = heads[:, :, queries + kv :].transpose(1, 2)
     # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window)
     out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling)
-    return packed_product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size)
+    return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, (attention.o_proj,), direct)
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int) -> torch.Tensor:
+def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool) -> torch.Tensor:
     width = mlp.intermediate_size
-    gate, up = packed_product(gate_up, x, 2 * width).split(width, dim=-1)
-    return packed_product(down, mlp.act_fn(gate) * up, mlp.hidden_size)
+    gate, up = _product(gate_up, x, 2 * width, (mlp.gate_proj, mlp.up_proj), direct).split(width, dim=-1)
+    return _product(down, mlp.act_fn(gate) * up, mlp.hidden_size, (mlp.down_proj,), direct)
 
 
 def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys: list[torch.Tensor], values: list[torch.Tensor], length: int, mask: torch.Tensor,
-             target_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+             target_layer_ids: tuple[int, ...], direct: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
-    `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants)."""
+    `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants);
+    `direct`: traced, the rows kernel multiplies every product (`_product`)."""
     family, products = FAMILIES[type(model)], products or product_keys(model)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         qkv, o, gate_up, down = products[4 * index : 4 * index + 4]
         states[index] = x
         x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, keys[index],
-                           values[index], length, mask, family.rotate_half, qkv, o)
-        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down)
+                           values[index], length, mask, family.rotate_half, qkv, o, direct)
+        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down, direct)
     x = family.norm.forward(model.norm, x)
     states[model.config.num_hidden_layers] = x
     return x, torch.cat([states[i] for i in target_layer_ids], dim=-1) if target_layer_ids else None
@@ -269,7 +285,8 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     if room.compiled and (n > 1 or not target_layer_ids):
         try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (slow)
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
-                x, features = compiled_decoder()(model, None, *inputs)
+                direct = n == 1 and routes.on_kernel(tokens.numel(), x.dtype)  # a graph of one-token steps
+                x, features = compiled_decoder()(model, None, *inputs, direct)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "
                                f"fast_decoding's compile_step=True: {type(error).__name__}); install a C++ compiler "

@@ -50,6 +50,11 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tenso
     return out if bias is None else out + bias
 
 
+def on_kernel(count: int, dtype: torch.dtype) -> bool:
+    """Whether `count` rows in `dtype` are multiplied by the rows kernel (as `linear` would)."""
+    return 0 < count <= MAX_ROWS and routes(dtype)[count - 1] == "rows"
+
+
 def copies(dtype: torch.dtype) -> bool:
     """Whether products in `dtype` need oneDNN's reordered copy of the weights: some row count is fastest on it."""
     return "onednn" in routes(dtype)
