@@ -56,18 +56,10 @@ def rows_kernel() -> bool:
         return False
     try:
         if not _LOADED:
-            loaded = _load(build_directory())
-            if loaded:
-                torch.library.register_fake("hf_eagle31_rows::linear", _linear_shape)
-            _LOADED.append(loaded)
+            _LOADED.append(_load(build_directory()))
     finally:
         _BUILDING.release()
     return _LOADED[0]
-
-
-def _linear_shape(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's output as torch.compile traces it: `x`'s rows, every weight's outputs side by side."""
-    return x.new_empty(*x.shape[:-1], sum(weight.shape[0] for weight in weights))
 
 
 def kernel_decided() -> bool:

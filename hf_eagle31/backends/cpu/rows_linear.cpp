@@ -180,10 +180,19 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
   return out.view(shape);
 }
 
+// The output's shape and type, not its values: what torch.compile traces a graph with (sizes may be symbolic).
+at::Tensor rows_linear_shape(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias) {
+  std::vector<c10::SymInt> shape = x.sym_sizes().vec();
+  shape.back() = 0;
+  for (const auto& w : weights) shape.back() = shape.back() + w.sym_size(0);
+  return at::empty_symint(shape, x.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hf_eagle31_rows, m) {
   m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(rows_linear));
+  m.impl("linear", c10::DispatchKey::Meta, TORCH_FN(rows_linear_shape));
   m.def("bf16() -> bool", [] { return bf16_kernel(); });
 }
