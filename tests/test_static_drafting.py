@@ -3,6 +3,7 @@ selected on the device, so the host waits for nothing between the catch-up and t
 the narrowed draft's, and decoding with it is exact: greedy output equals plain `generate`, sampling follows the
 target's distribution."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -127,11 +128,11 @@ def test_a_static_step_reads_nothing_back_until_its_verify_forward(cuda_rotary, 
                 self.syncs = None
             return forward(*args, **kwargs)
 
-        prepared.verify = first
+        self.prepared = dataclasses.replace(prepared, verify=first)  # a frozen plan: this loop's copy
         try:
             return verify(self, trees)
         finally:
-            prepared.verify = forward
+            self.prepared = prepared
 
     monkeypatch.setattr(EagleLoop, "draft", counted_draft)
     monkeypatch.setattr(EagleLoop, "verify", counted_verify)

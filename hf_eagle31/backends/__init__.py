@@ -37,7 +37,7 @@ from hf_eagle31.verify_plan import VerifyPlan
 Verify = Callable[[Cache, VerifyPlan, torch.Tensor, torch.Tensor, Callable | None], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetForwards:
     """How one call runs the target: its forward for anything but a verify block (the prefill: `forward(**inputs)`)
     and its verify forward; `compiled`: whether the verify forwards run as one inductor graph (`compile_verify`)."""
@@ -47,7 +47,7 @@ class TargetForwards:
     compiled: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared(TargetForwards):
     """What one call runs the target's forwards and the drafter's products on."""
 

@@ -44,6 +44,7 @@ from hf_eagle31.backends.cpu.products import (
     product_key,
     products_mode,
     quiet,
+    stacked_bias,
 )
 from hf_eagle31.kernels.tree_attention import grouped_attention
 
@@ -191,8 +192,7 @@ def _product(key: int, x: torch.Tensor, out_features: int, linears: tuple[nn.Lin
     calls back into Python at every product (a noticeable share of a one-token step)."""
     if not direct:
         return packed_product(key, x, out_features)
-    biases = [linear.bias for linear in linears]
-    bias = None if biases[0] is None else biases[0] if len(biases) == 1 else torch.cat(biases)
+    bias = stacked_bias(tuple(linear.bias for linear in linears))
     return torch.ops.hf_eagle31_rows.linear(x, [linear.weight for linear in linears], bias)
 
 

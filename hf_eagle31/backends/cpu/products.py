@@ -139,6 +139,11 @@ class Product:
         return out
 
 
+def stacked_bias(biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
+    """The members' biases as their one product adds them: none, the lone member's, or side by side."""
+    return biases[0] if len(biases) == 1 or biases[0] is None else torch.cat([b.detach() for b in biases])
+
+
 def _made_from(weight: torch.Tensor) -> tuple:
     return weight._version, weight.data_ptr(), weight.dtype, weight.shape, weight.stride()
 
@@ -157,7 +162,7 @@ def checksum(tensor: torch.Tensor) -> int:
 @torch.no_grad()
 def _pack(members: list[nn.Linear], held: bool) -> Product:
     weights, biases = tuple(m.weight for m in members), tuple(m.bias for m in members)
-    bias = biases[0] if len(members) == 1 or biases[0] is None else torch.cat([b.detach() for b in biases])
+    bias = stacked_bias(biases)
     sizes, versions, key = [w.shape[0] for w in weights], tuple(map(_made_from, weights)), product_key(members[0])
     packed = None
     if not rows_layout(weights[0].dtype):

@@ -40,8 +40,7 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tenso
     """`x` times each of `weights` (`[N_i, K]`), the outputs side by side, plus `bias`, by the implementation
     measured fastest for its row count; more than `MAX_ROWS` rows by oneDNN's copy where there is one (`packed`,
     the weights stacked and reordered), else torch's."""
-    count = x.numel() // x.shape[-1]
-    how = routes(x.dtype)[count - 1] if 0 < count <= MAX_ROWS else "onednn"
+    how = route(x.numel() // x.shape[-1], x.dtype)
     if how == "rows":
         return torch.ops.hf_eagle31_rows.linear(x, weights, bias)
     if how == "onednn" and packed is not None:
@@ -50,9 +49,15 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tenso
     return out if bias is None else out + bias
 
 
+def route(count: int, dtype: torch.dtype) -> str:
+    """The implementation `linear` multiplies `count` rows in `dtype` by: the measured one up to `MAX_ROWS`, else
+    oneDNN's (torch's where the weights have no oneDNN copy)."""
+    return routes(dtype)[count - 1] if 0 < count <= MAX_ROWS else "onednn"
+
+
 def on_kernel(count: int, dtype: torch.dtype) -> bool:
     """Whether `count` rows in `dtype` are multiplied by the rows kernel (as `linear` would)."""
-    return 0 < count <= MAX_ROWS and routes(dtype)[count - 1] == "rows"
+    return route(count, dtype) == "rows"
 
 
 def copies(dtype: torch.dtype) -> bool:
