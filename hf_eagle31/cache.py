@@ -52,6 +52,9 @@ def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.T
     block = int(cache.get_seq_length()) - start
     longest = max(k.shape[0] for k in kept)
     device = next(layer.keys.device for layer in cache.layers if layer.is_initialized)
+    if all(k.shape[0] == block for k in kept):  # every row keeps its whole block (a plain step's): nothing moves
+        truncate_cache(cache, start + block)
+        return torch.ones(len(kept), block, dtype=torch.bool, device=device)
     index = torch.zeros(len(kept), longest, dtype=torch.long, device=device)
     real = torch.zeros(len(kept), longest, dtype=torch.bool, device=device)
     for b, k in enumerate(kept):

@@ -225,18 +225,23 @@ def test_fast_decoding_compiles_its_one_token_steps_and_decodes_as_plain_greedy(
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2: q/k/v biases, added by the kernel
-def test_a_compiled_one_token_step_multiplies_on_the_rows_kernel_without_calling_back_into_python(monkeypatch, arch):
+def test_a_compiled_one_token_step_runs_on_the_rows_kernel_without_calling_back_into_python(monkeypatch, arch):
     """Where the rows kernel serves one row, fast_decoding's compiled step calls it from the graph on the layers' own
-    weights: no product goes through the Python op (`packed_product`), and the output is plain greedy's (fp32)."""
+    weights (no product goes through the Python op, `packed_product`) and attends with its library's attention
+    (not SDPA's), and the output is plain greedy's (fp32)."""
     if not routes.on_kernel(1, torch.float32):
         pytest.skip("the rows kernel does not multiply one fp32 row on this machine")
     target = make_target(arch)
     calls, original = [], products_module.packed_product
     monkeypatch.setattr(products_module, "packed_product", lambda *args: calls.append(1) or original(*args))
     plain = target.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=16)
-    fast = target.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=16, custom_generate=hf_eagle31.fast_decoding,
-                           compile_step=True)
+    step = dict(do_sample=False, max_new_tokens=16, custom_generate=hf_eagle31.fast_decoding, compile_step=True)
+    target.generate(PROMPTS[:1, :4], **step)  # compiled before the profile below
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fast = target.generate(PROMPTS[:1, :4], **step)
     assert torch.equal(fast, plain) and not calls
+    attended = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::attention", 0)
+    assert attended == 15 * target.config.num_hidden_layers  # every step after the prefill's first token
 
 
 KEYS_OF_A_FRESH_PROCESS = """

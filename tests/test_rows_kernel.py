@@ -1,6 +1,6 @@
 """The rows kernel (backends/cpu/rows_linear.cpp) against torch's products, in fp32 and bf16, at every row count a
-verify block has, and its build: keyed to what it depends on, loaded by later processes without torch's builder,
-robust to a build killed halfway and to a compiler that fails."""
+verify block has, its attention (rows_attention.cpp) against torch's, and its build: keyed to what it depends on,
+loaded by later processes without torch's builder, robust to a build killed halfway and to a compiler that fails."""
 
 import json
 import os
@@ -57,6 +57,42 @@ def test_the_kernel_refuses_what_it_cannot_multiply():
         torch.ops.hf_eagle31_rows.linear(x, [torch.randn(4, 8).bfloat16()], None)
     with pytest.raises(RuntimeError, match="a bias of 4 features"):
         torch.ops.hf_eagle31_rows.linear(x, [torch.randn(4, 8)], torch.randn(5))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 read by shifts: any AVX-512 CPU
+@pytest.mark.parametrize("keys", [1, 7, 16, 300, 1027])  # one key, a partial vector, whole vectors, longer caches
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_the_kernels_attention_computes_torchs(keys, head_dim, dtype):
+    """A few query rows over a cache's keys and values as the lean step hands them (views of buffers with room
+    behind them), with an additive mask that hides some keys (a pad's, as `additive_mask` writes it) or none."""
+    torch.manual_seed(keys)
+    batch, groups, rows_, room = 2, 3, 4, 5
+    query = torch.randn(batch, groups, rows_, head_dim).to(dtype)
+    key, value = (torch.randn(batch, groups, keys + room, head_dim).to(dtype)[:, :, :keys] for _ in range(2))
+    mask = torch.zeros(batch, 1, rows_, keys, dtype=dtype)
+    mask[0, :, :, : keys // 2] = torch.finfo(dtype).min  # the first row's first half: pads
+    exact = [F.scaled_dot_product_attention(query.double(), key.double(), value.double(), attn_mask=m, scale=0.3)
+             for m in (mask.double(), None)]
+    for m, expected in zip((mask, None), exact):
+        out = torch.ops.hf_eagle31_rows.attention(query, key, value, m, 0.3)
+        torchs = F.scaled_dot_product_attention(query, key, value, attn_mask=m, scale=0.3)
+        assert out.dtype == dtype and out.shape == expected.shape
+        # as close to the exact attention as torch's own (fp32: sums in another order; bf16: each output rounded
+        # once, torch's rounds the weights too)
+        assert (out.double() - expected).abs().max() <= 2 * (torchs.double() - expected).abs().max() + 1e-6
+
+
+@needs_kernel
+def test_the_kernels_attention_refuses_what_it_cannot_compute():
+    query, key = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 5, 64)
+    with pytest.raises(RuntimeError, match="head dims of a multiple of 16"):
+        torch.ops.hf_eagle31_rows.attention(query[..., :40], key[..., :40], key[..., :40], None, 1.0)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        torch.ops.hf_eagle31_rows.attention(query.double(), key.double(), key.double(), None, 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.hf_eagle31_rows.attention(query, key.bfloat16(), key, None, 1.0)
+    assert rows.attends(64) and rows.attends(256) and not rows.attends(40) and not rows.attends(272)
 
 
 FIRST_CALL = textwrap.dedent("""
@@ -127,7 +163,7 @@ def test_the_build_is_keyed_by_source_compiler_torch_and_cpu_not_by_environment(
     monkeypatch.setattr(sys, "executable", "/another/environment/bin/python")
     assert rows.build_key() == key
     changes = [(rows, "_compiler", lambda: "clang++"), (rows, "_cpu", lambda: "another CPU"),
-               (torch, "__version__", "0.0.1"), (rows, "_flags", lambda: ["-O2"]),
+               (torch, "__version__", "0.0.1"), (rows, "_flags", lambda: ["-O2"]), (rows, "SOURCES", rows.SOURCES[:1]),
                (rows.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "c++ 99.1", ""))]
     for owner, name, value in changes:
         with monkeypatch.context() as patch:

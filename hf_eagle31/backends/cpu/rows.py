@@ -1,5 +1,6 @@
 """Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16), built once
-per machine and compiler (rows_linear.cpp).
+per machine and compiler (rows_linear.cpp), and in the same library the attention of a few query rows over a cache
+(rows_attention.cpp: a compiled one-token step's, `lean._grouped`).
 
 Why: on a CPU a decoding step multiplies 1 row, and a verify forward 2-16 rows, by every weight of the target, so a
 step is bound by streaming the weights. torch's fp32 path (MKL) and oneDNN's reordered copies compute the rows while
@@ -36,7 +37,8 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 16  # the row counts measured (routes.py): verify blocks; more rows (a prefill) go to torch's GEMM
-SOURCE = Path(__file__).with_name("rows_linear.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("rows_linear.cpp", "rows_attention.cpp"))
+MAX_HEAD_DIM = 256  # rows_attention.cpp's, in steps of 16
 LIBRARY = "hf_eagle31_rows.so"
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,11 @@ def bf16_kernel() -> bool:
     return rows_kernel() and torch.ops.hf_eagle31_rows.bf16()
 
 
+def attends(head_dim: int) -> bool:
+    """Whether `torch.ops.hf_eagle31_rows.attention` (rows_attention.cpp) takes heads of `head_dim`, once loaded."""
+    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+
+
 def _compiler() -> str:
     return os.environ.get("CXX", "c++")
 
@@ -99,8 +106,8 @@ def build_key() -> str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    parts = [hashlib.sha256(SOURCE.read_bytes()).hexdigest(), " ".join(_flags()), compiler, version,
-             torch.__version__, str(torch.version.git_version), _cpu()]
+    parts = [*(hashlib.sha256(source.read_bytes()).hexdigest() for source in SOURCES), " ".join(_flags()), compiler,
+             version, torch.__version__, str(torch.version.git_version), _cpu()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -143,7 +150,7 @@ def _build(folder: Path) -> None:
     scratch = folder / "build"
     scratch.mkdir(exist_ok=True)
     (scratch / "lock").unlink(missing_ok=True)  # torch's own lock, left by a build that was killed
-    cpp_extension.load("hf_eagle31_rows", [str(SOURCE)], is_python_module=False, build_directory=str(scratch),
-                       extra_cflags=_flags(), extra_ldflags=["-fopenmp"])
+    cpp_extension.load("hf_eagle31_rows", [str(source) for source in SOURCES], is_python_module=False,
+                       build_directory=str(scratch), extra_cflags=_flags(), extra_ldflags=["-fopenmp"])
     shutil.copyfile(scratch / LIBRARY, folder / f"{LIBRARY}.partial")
     os.replace(folder / f"{LIBRARY}.partial", folder / LIBRARY)

@@ -1,0 +1,148 @@
+// The attention of a few query rows over a cache of keys (fp32 or bf16, computed in fp32; AVX-512): a decoding
+// step's, where each query head is one row.
+//
+// Why: torch's SDPA on a CPU (its flash kernel) blocks queries by 32 and keys by 512, so a step's few rows over a
+// few hundred keys take it several times their arithmetic (docs/benchmarks.md: a fifth of a compiled SmolLM2 step's
+// time between the products went to it). Each row here is one task: its scores against every key of its head (kept in a buffer), their
+// softmax, the values weighted by them; a row's keys and values are read from the cache as they lie (strided views
+// of its buffers). An additive mask is added to the scores before the softmax, as SDPA adds it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int MAX_DIM = 256;  // head dims up to this, in steps of 16 (a vector)
+
+inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load(const at::BFloat16* p) {  // a bf16 is the top half of the fp32 with the same bits
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// e^x of 16 lanes (relative error ~2e-7): 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
+// series to r^7; exactly 0 below -87.3 (where e^x leaves fp32's normal range), as a masked score's exponent is.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+}
+
+// One query row `q` [D] over keys and values [L, D] (rows `ks`, `vs` apart), `mask` [L] (or none): `out` [D].
+template <class T>
+void attend(const T* q, const T* k, int64_t ks, const T* v, int64_t vs, const T* mask, int64_t L, int64_t D,
+            float scale, T* out, std::vector<float>& scores) {
+  const int64_t vectors = D / 16;
+  __m512 qv[MAX_DIM / 16];
+  for (int64_t d = 0; d < vectors; ++d) qv[d] = _mm512_mul_ps(load(q + 16 * d), _mm512_set1_ps(scale));
+  scores.resize(L + 16);
+  float* s = scores.data();
+  float top = -INFINITY;
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {  // four keys at a time: four independent sums in flight
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < vectors; ++d)
+      for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(qv[d], load(k + (j + c) * ks + 16 * d), acc[c]);
+    for (int c = 0; c < 4; ++c) s[j + c] = _mm512_reduce_add_ps(acc[c]);
+  }
+  for (; j < L; ++j) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < vectors; ++d) acc = _mm512_fmadd_ps(qv[d], load(k + j * ks + 16 * d), acc);
+    s[j] = _mm512_reduce_add_ps(acc);
+  }
+  for (j = 0; j < L; ++j) {
+    if (mask) s[j] += static_cast<float>(mask[j]);
+    top = std::max(top, s[j]);
+  }
+  __m512 total = _mm512_setzero_ps();
+  for (j = 0; j < L; j += 16) {
+    const __mmask16 lanes = L - j >= 16 ? 0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
+    _mm512_storeu_ps(s + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  __m512 acc[2][MAX_DIM / 16];  // even and odd keys' sums: two chains in flight
+  for (int64_t d = 0; d < vectors; ++d) acc[0][d] = acc[1][d] = _mm512_setzero_ps();
+  s[L] = 0.f;  // an odd count's last pair weighs a zero (its "value" row is the last one again)
+  for (j = 0; j < L; j += 2) {
+    const __m512 even = _mm512_set1_ps(s[j]), odd = _mm512_set1_ps(s[j + 1]);
+    const T* next = v + std::min(j + 1, L - 1) * vs;
+    for (int64_t d = 0; d < vectors; ++d) {
+      acc[0][d] = _mm512_fmadd_ps(even, load(v + j * vs + 16 * d), acc[0][d]);
+      acc[1][d] = _mm512_fmadd_ps(odd, load(next + 16 * d), acc[1][d]);
+    }
+  }
+  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+  alignas(64) float row[MAX_DIM];
+  for (int64_t d = 0; d < vectors; ++d)
+    _mm512_store_ps(row + 16 * d, _mm512_div_ps(_mm512_add_ps(acc[0][d], acc[1][d]), sum));
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
+}
+
+// Every row of `q` [B, G, R, D] over its group's keys, one task per row, into `out` (contiguous).
+template <class T>
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, float scale,
+                at::Tensor& out) {
+  const int64_t G = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  const T* mp = m.defined() ? m.data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, q.size(0) * G * R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (G * R), g = i / R % G, r = i % R;
+      attend(qp + b * q.stride(0) + g * q.stride(1) + r * q.stride(2), kp + b * k.stride(0) + g * k.stride(1),
+             k.stride(2), vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
+             mp ? mp + b * m.stride(0) + g * m.stride(1) + r * m.stride(2) : nullptr, L, D, scale, op + i * D, scores);
+    }
+  });
+}
+
+// query [B, G, R, D], key and value [B, G, L, D] (the last dimension contiguous), mask [B, 1 or G, R, L] additive
+// (or none): [B, G, R, D], each of the R rows of a group over that group's keys.
+at::Tensor rows_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const c10::optional<at::Tensor>& mask, double scale) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rows attention: fp32 or bf16 expected, got ", dtype);
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "rows attention: 4-d inputs expected");
+  const int64_t B = query.size(0), G = query.size(1), R = query.size(2), D = query.size(3), L = key.size(2);
+  TORCH_CHECK(D % 16 == 0 && D <= MAX_DIM && key.size(3) == D && value.size(3) == D, "rows attention: head dims ",
+              "of a multiple of 16 up to ", MAX_DIM, " expected, got ", D);
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == B && key.size(1) == G, "rows attention: key and value ",
+              "[B, G, L, D] expected");
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype, "rows attention: one dtype expected");
+  const at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
+  const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
+  at::Tensor m;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == dtype && mask->dim() == 4, "rows attention: a 4-d additive mask expected");
+    m = mask->expand({B, G, R, L});
+    if (m.stride(3) != 1) m = m.contiguous();
+  }
+  at::Tensor out = at::empty({B, G, R, D}, q.options());
+  if (dtype == at::kFloat) attend_all<float>(q, k, v, m, static_cast<float>(scale), out);
+  else attend_all<at::BFloat16>(q, k, v, m, static_cast<float>(scale), out);
+  return out;
+}
+
+// The output's shape and type, not its values: what torch.compile traces a graph with (sizes may be symbolic).
+at::Tensor rows_attention_shape(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const c10::optional<at::Tensor>& mask, double scale) {
+  return at::empty_symint(query.sym_sizes(), query.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
+  m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  m.impl("attention", c10::DispatchKey::CPU, TORCH_FN(rows_attention));
+  m.impl("attention", c10::DispatchKey::Meta, TORCH_FN(rows_attention_shape));
+}
