@@ -16,6 +16,7 @@ from hf_eagle31.backends.cpu import lean as llama_verify
 from hf_eagle31.backends.cpu import products as products_module
 from hf_eagle31.backends.cpu import routes
 from hf_eagle31.backends.cpu.products import Products, can_pack, packed_product
+from hf_eagle31.bench.batching import left_padded
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.generation import eagle_verification
 from hf_eagle31.cache import compact_cache
@@ -242,6 +243,21 @@ def test_a_compiled_one_token_step_runs_on_the_rows_kernel_without_calling_back_
     assert torch.equal(fast, plain) and not calls
     attended = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::attention", 0)
     assert attended == 15 * target.config.num_hidden_layers  # every step after the prefill's first token
+
+
+def test_a_compiled_one_token_step_masks_a_batchs_pads_as_plain_greedy_does():
+    """Left-padded rows of a batch: the compiled step's attention (the rows library's, where it serves) hides each
+    row's pads by the additive mask, so every row equals plain batched greedy's (fp32)."""
+    if not routes.on_kernel(3, torch.float32):
+        pytest.skip("the rows kernel does not multiply three fp32 rows on this machine")
+    target = make_target()
+    batch = left_padded([PROMPTS[0].tolist(), PROMPTS[1, :2].tolist(), PROMPTS[2, :4].tolist()], 0, "cpu")
+    plain = target.generate(**batch, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fast = target.generate(**batch, do_sample=False, max_new_tokens=12, pad_token_id=0,
+                               custom_generate=hf_eagle31.fast_decoding, compile_step=True)
+    assert torch.equal(fast, plain)
+    assert any(event.key == "hf_eagle31_rows::attention" for event in profile.key_averages())
 
 
 KEYS_OF_A_FRESH_PROCESS = """

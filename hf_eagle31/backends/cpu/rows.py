@@ -38,7 +38,6 @@ import torch
 
 MAX_ROWS = 16  # the row counts measured (routes.py): verify blocks; more rows (a prefill) go to torch's GEMM
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rows_linear.cpp", "rows_attention.cpp"))
-MAX_HEAD_DIM = 256  # rows_attention.cpp's, in steps of 16
 LIBRARY = "hf_eagle31_rows.so"
 
 logger = logging.getLogger(__name__)
@@ -74,9 +73,11 @@ def bf16_kernel() -> bool:
     return rows_kernel() and torch.ops.hf_eagle31_rows.bf16()
 
 
+@torch.compiler.assume_constant_result  # traced (`lean._grouped`), its answer is a constant of the graph
 def attends(head_dim: int) -> bool:
-    """Whether `torch.ops.hf_eagle31_rows.attention` (rows_attention.cpp) takes heads of `head_dim`, once loaded."""
-    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+    """Whether the loaded library's attention (`torch.ops.hf_eagle31_rows.attention`, rows_attention.cpp) takes
+    heads of `head_dim`."""
+    return rows_kernel() and torch.ops.hf_eagle31_rows.attends(head_dim)
 
 
 def _compiler() -> str:

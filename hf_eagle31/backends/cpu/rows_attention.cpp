@@ -17,6 +17,8 @@ namespace {
 
 constexpr int MAX_DIM = 256;  // head dims up to this, in steps of 16 (a vector)
 
+bool attends(int64_t head_dim) { return head_dim % 16 == 0 && head_dim <= MAX_DIM; }
+
 inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load(const at::BFloat16* p) {  // a bf16 is the top half of the fp32 with the same bits
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -113,8 +115,8 @@ at::Tensor rows_attention(const at::Tensor& query, const at::Tensor& key, const 
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rows attention: fp32 or bf16 expected, got ", dtype);
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "rows attention: 4-d inputs expected");
   const int64_t B = query.size(0), G = query.size(1), R = query.size(2), D = query.size(3), L = key.size(2);
-  TORCH_CHECK(D % 16 == 0 && D <= MAX_DIM && key.size(3) == D && value.size(3) == D, "rows attention: head dims ",
-              "of a multiple of 16 up to ", MAX_DIM, " expected, got ", D);
+  TORCH_CHECK(attends(D) && key.size(3) == D && value.size(3) == D, "rows attention: head dims of a multiple of 16 ",
+              "up to ", MAX_DIM, " expected, got ", D);
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == B && key.size(1) == G, "rows attention: key and value ",
               "[B, G, L, D] expected");
   TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype, "rows attention: one dtype expected");
@@ -145,4 +147,5 @@ TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   m.impl("attention", c10::DispatchKey::CPU, TORCH_FN(rows_attention));
   m.impl("attention", c10::DispatchKey::Meta, TORCH_FN(rows_attention_shape));
+  m.def("attends(int head_dim) -> bool", [](int64_t head_dim) { return attends(head_dim); });
 }
