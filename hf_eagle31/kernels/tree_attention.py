@@ -10,6 +10,7 @@ Keys before the tail are visible to every query, so no dense `(prefix + n)^2` ma
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +64,10 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
+                      scale: float | None, attend: Callable | None = None) -> torch.Tensor:
     """torch's SDPA with the query heads that share a key/value head folded into one longer block of queries
-    (`mask` folded by `fold_mask`); `[batch, q_heads, n, v_head_dim]`.
+    (`mask` folded by `fold_mask`); `[batch, q_heads, n, v_head_dim]`. `attend(query, key, value, mask, scale)`,
+    where given, computes the folded attention instead of SDPA (the CPU backend's kernel, `backends/cpu/lean.py`).
 
     Why: every query row gets the scores SDPA's `enable_gqa` gives it, but a CPU runs it faster (the keys are
     read once per group, not once per query head; docs/benchmarks.md), and on CUDA a masked `enable_gqa` call
@@ -73,8 +75,9 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     batch, heads, n, size = query.shape
     kv_heads = key.shape[1]
-    out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads * n, size), key, value,
-                                         attn_mask=mask, scale=scale)
+    folded = query.reshape(batch, kv_heads, heads // kv_heads * n, size)
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale) if attend is None else \
+        attend(folded, key, value, mask, scale)
     return out.view(batch, heads, n, out.shape[-1])
 
 

@@ -209,22 +209,13 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tens
     turned = turned * cos + rotate_half(turned) * sin
     keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
     values[:, :, length:] = heads[:, :, queries + kv :].transpose(1, 2)
-    # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window)
-    out = _grouped(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling, direct)
+    # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window); in a
+    # compiled one-token step on the rows kernel (`direct`), the same scores, softmax and weighted sum by its
+    # library's attention of a few rows where it takes the head size (rows_attention.cpp: SDPA's CPU kernel spends
+    # most of a one-row call setting up blocks of many)
+    attend = torch.ops.hf_eagle31_rows.attention if direct and rows.attends(size) else None
+    out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling, attend)
     return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, (attention.o_proj,), direct)
-
-
-def _grouped(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-             direct: bool) -> torch.Tensor:
-    """`grouped_attention`, or where `direct` (a compiled one-token step on the rows kernel) and the kernel's
-    library takes the head size, its attention of a few rows: the same scores, softmax and weighted sum
-    (rows_attention.cpp: SDPA's CPU kernel spends most of a one-row call setting up blocks of many)."""
-    if not (direct and rows.attends(query.shape[-1])):
-        return grouped_attention(query, keys, values, mask, scale)
-    batch, heads, n, size = query.shape
-    out = torch.ops.hf_eagle31_rows.attention(query.reshape(batch, keys.shape[1], heads // keys.shape[1] * n, size),
-                                              keys, values, mask, scale)
-    return out.view(batch, heads, n, size)
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool) -> torch.Tensor:
@@ -238,7 +229,7 @@ def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos:
              target_layer_ids: tuple[int, ...], direct: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
     `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants);
-    `direct`: traced, the rows kernel multiplies every product (`_product`) and its library attends (`_grouped`)."""
+    `direct`: traced, the rows kernel multiplies every product (`_product`) and its library attends (`_attention`)."""
     family, products = FAMILIES[type(model)], products or product_keys(model)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):

@@ -1,6 +1,6 @@
 """Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16), built once
 per machine and compiler (rows_linear.cpp), and in the same library the attention of a few query rows over a cache
-(rows_attention.cpp: a compiled one-token step's, `lean._grouped`).
+(rows_attention.cpp: a compiled one-token step's, `lean._attention`).
 
 Why: on a CPU a decoding step multiplies 1 row, and a verify forward 2-16 rows, by every weight of the target, so a
 step is bound by streaming the weights. torch's fp32 path (MKL) and oneDNN's reordered copies compute the rows while
@@ -73,7 +73,7 @@ def bf16_kernel() -> bool:
     return rows_kernel() and torch.ops.hf_eagle31_rows.bf16()
 
 
-@torch.compiler.assume_constant_result  # traced (`lean._grouped`), its answer is a constant of the graph
+@torch.compiler.assume_constant_result  # traced (`lean._attention`), its answer is a constant of the graph
 def attends(head_dim: int) -> bool:
     """Whether the loaded library's attention (`torch.ops.hf_eagle31_rows.attention`, rows_attention.cpp) takes
     heads of `head_dim`."""

@@ -3,9 +3,9 @@
 //
 // Why: torch's SDPA on a CPU (its flash kernel) blocks queries by 32 and keys by 512, so a step's few rows over a
 // few hundred keys take it several times their arithmetic (docs/benchmarks.md: a fifth of a compiled SmolLM2 step's
-// time between the products went to it). Each row here is one task: its scores against every key of its head (kept in a buffer), their
-// softmax, the values weighted by them; a row's keys and values are read from the cache as they lie (strided views
-// of its buffers). An additive mask is added to the scores before the softmax, as SDPA adds it.
+// time between the products went to it). Each row here is one task: its scores against every key of its head (kept
+// in a buffer), their softmax, the values weighted by them; a row's keys and values are read from the cache as they
+// lie (strided views of its buffers). An additive mask is added to the scores before the softmax, as SDPA adds it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
