@@ -260,6 +260,23 @@ def test_a_compiled_one_token_step_masks_a_batchs_pads_as_plain_greedy_does():
     assert any(event.key == "hf_eagle31_rows::attention" for event in profile.key_averages())
 
 
+def test_a_compiled_verify_block_runs_on_the_rows_kernel_without_calling_back_into_python():
+    """Where the rows kernel serves every row count, `compile_verify`'s graph multiplies its blocks on it, those of
+    a batch past `MAX_ROWS` rows too (3 rows of 7-token trees), not through the Python op `hf_eagle31::packed_linear`,
+    and decodes as plain batched greedy (fp32)."""
+    if not routes.serves_every_count(torch.float32):
+        pytest.skip("the rows kernel does not multiply every fp32 row count on this machine")
+    target, drafter = trained_pair("llama", tree_depth=3, tree_top_k=3, tree_total_tokens=6, compile_verify=True)
+    batch = left_padded([PROMPTS[0].tolist(), PROMPTS[1, :2].tolist(), PROMPTS[2, :4].tolist()], 0, "cpu")
+    step = dict(do_sample=False, max_new_tokens=16, pad_token_id=0)
+    plain = target.generate(**batch, **step)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:  # compiles, then runs
+        eagle = target.generate(**batch, **step, assistant_model=drafter)
+    counts = {event.key: event.count for event in profile.key_averages()}
+    assert torch.equal(eagle, plain)
+    assert counts.get("hf_eagle31_rows::linear", 0) > 0 and "hf_eagle31::packed_linear" not in counts
+
+
 KEYS_OF_A_FRESH_PROCESS = """
 import sys; sys.path.insert(0, sys.argv[1])
 from tiny_models import make_target

@@ -187,9 +187,10 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
 def _product(key: int, x: torch.Tensor, out_features: int, linears: tuple[nn.Linear, ...],
              direct: bool) -> torch.Tensor:
     """The product under `key` of the layers `linears`. `direct`, in a compiled graph whose rows the rows kernel
-    serves (`routes.on_kernel`): the kernel itself on the layers' weights and biases, which are the product's
-    (`fits`), the same call `Product.whole` makes; the graph calls it through the dispatcher, where `packed_product`
-    calls back into Python at every product (a noticeable share of a one-token step)."""
+    serves (a one-token step's count, `routes.on_kernel`; a block's, any count, `routes.serves_every_count`): the
+    kernel itself on the layers' weights and biases, which are the product's (`fits`), the same call
+    `Product.whole` makes; the graph calls it through the dispatcher, where `packed_product` calls back into Python
+    at every product (a noticeable share of a step: docs/benchmarks.md)."""
     if not direct:
         return packed_product(key, x, out_features)
     bias = stacked_bias(tuple(linear.bias for linear in linears))
@@ -212,8 +213,8 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tens
     # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window); in a
     # compiled one-token step on the rows kernel (`direct`), the same scores, softmax and weighted sum by its
     # library's attention of a few rows where it takes the head size (rows_attention.cpp: SDPA's CPU kernel spends
-    # most of a one-row call setting up blocks of many)
-    attend = torch.ops.hf_eagle31_rows.attention if direct and rows.attends(size) else None
+    # most of a one-row call setting up blocks of many; a block's rows it computes no faster)
+    attend = torch.ops.hf_eagle31_rows.attention if direct and x.shape[1] == 1 and rows.attends(size) else None
     out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling, attend)
     return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, (attention.o_proj,), direct)
 
@@ -229,7 +230,8 @@ def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos:
              target_layer_ids: tuple[int, ...], direct: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
     `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants);
-    `direct`: traced, the rows kernel multiplies every product (`_product`) and its library attends (`_attention`)."""
+    `direct`: traced, the rows kernel multiplies every product (`_product`) and, in a one-token step, its library
+    attends (`_attention`)."""
     family, products = FAMILIES[type(model)], products or product_keys(model)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
@@ -245,15 +247,17 @@ def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos:
 
 @functools.cache
 def compiled_decoder() -> Callable:
-    """`_decoder` compiled by inductor, for `compile_verify` and `compile_step` (created once a process; dynamo compiles a graph per
-    target, dtype and batch size, for any block size, cache length and packing of the weights: `product_keys`).
+    """`_decoder` compiled by inductor, for `compile_verify` and `compile_step` (created once a process; dynamo
+    compiles a graph per target, dtype and batch size, for any block size, cache length and packing of the weights:
+    `product_keys`, and one of one-token steps).
 
     Why: on a CPU the eager forward spends much of its time between the products, in dozens of small operations a
     layer, each costlier than in a loop because the products streaming the weights evict the code and data they
     run on; inductor fuses them into a few C++ kernels, and its C++ wrapper (`cpp_wrapper`) calls those, and the
-    products through the dispatcher (`packed_product`), with no module dispatch in between. `emulate_precision_casts` rounds as eager does after
-    each bf16 operation (bf16 logits eager's, or one bf16 rounding apart where a fused sum runs in another
-    order); fp32 sums in another order too (logits a rounding error apart from eager's).
+    products through the dispatcher (the rows kernel, or `packed_product`: `_product`), with no module dispatch in
+    between. `emulate_precision_casts` rounds as eager does after each bf16 operation (bf16 logits eager's, or one
+    bf16 rounding apart where a fused sum runs in another order); fp32 sums in another order too (logits a rounding
+    error apart from eager's).
     """
     return torch.compile(_decoder, dynamic=True, fullgraph=True, options={
         "cpp_wrapper": True, "emulate_precision_casts": True, "guard_filter_fn": _ids_and_arguments})
@@ -289,7 +293,8 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     if room.compiled and (n > 1 or not target_layer_ids):
         try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (slow)
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
-                direct = n == 1 and routes.on_kernel(tokens.numel(), x.dtype)  # a graph of one-token steps
+                # the products on the rows kernel: one graph for one-token steps, one for every block size
+                direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype)
                 x, features = compiled_decoder()(model, None, *inputs, direct)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "

@@ -60,6 +60,13 @@ def on_kernel(count: int, dtype: torch.dtype) -> bool:
     return route(count, dtype) == "rows"
 
 
+def serves_every_count(dtype: torch.dtype) -> bool:
+    """Whether the rows kernel is measured fastest at every row count up to `MAX_ROWS` in `dtype`: a compiled verify
+    graph then calls it for every block (lean.py), larger blocks too, so that no block size makes the graph change
+    mid-call. Where it serves every count, it also beat torch's product at 17-61 rows (docs/benchmarks.md)."""
+    return all(how == "rows" for how in routes(dtype))
+
+
 def copies(dtype: torch.dtype) -> bool:
     """Whether products in `dtype` need oneDNN's reordered copy of the weights: some row count is fastest on it."""
     return "onednn" in routes(dtype)
