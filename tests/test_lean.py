@@ -1,6 +1,7 @@
 """The lean verify forward of a Llama target (hf_eagle31/backends/cpu/lean.py) against transformers' own forward."""
 
 import copy
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from hf_eagle31.backends.cpu import lean as llama_verify
 from hf_eagle31.backends.cpu import products as products_module
 from hf_eagle31.backends.cpu import routes
 from hf_eagle31.backends.cpu.products import Products, can_pack, packed_product
+from hf_eagle31.backends.cpu.rows import MAX_ROWS
 from hf_eagle31.bench.batching import left_padded
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.generation import eagle_verification
@@ -270,11 +272,13 @@ def test_a_compiled_verify_block_runs_on_the_rows_kernel_without_calling_back_in
     batch = left_padded([PROMPTS[0].tolist(), PROMPTS[1, :2].tolist(), PROMPTS[2, :4].tolist()], 0, "cpu")
     step = dict(do_sample=False, max_new_tokens=16, pad_token_id=0)
     plain = target.generate(**batch, **step)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:  # compiles, then runs
-        eagle = target.generate(**batch, **step, assistant_model=drafter)
-    counts = {event.key: event.count for event in profile.key_averages()}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        eagle = target.generate(**batch, **step, assistant_model=drafter)  # compiles, then runs
     assert torch.equal(eagle, plain)
-    assert counts.get("hf_eagle31_rows::linear", 0) > 0 and "hf_eagle31::packed_linear" not in counts
+    assert not any(event.name == "hf_eagle31::packed_linear" for event in profile.events())
+    multiplied = [math.prod(event.input_shapes[0][:-1]) for event in profile.events()
+                  if event.name == "hf_eagle31_rows::linear" and event.input_shapes and event.input_shapes[0]]
+    assert max(multiplied) > MAX_ROWS  # a block of the batch past the measured row counts went to the kernel
 
 
 KEYS_OF_A_FRESH_PROCESS = """
