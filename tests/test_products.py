@@ -13,7 +13,7 @@ import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter
 from hf_eagle31.backends.cpu import products as cpu_products
 from hf_eagle31.backends.cpu import routes
 from hf_eagle31.backends.cpu.products import Product, Products, can_pack, hold_products, products_for
-from hf_eagle31.backends.cpu.rows import MAX_ROWS, rows_kernel
+from hf_eagle31.backends.cpu.rows import rows_kernel
 from hf_eagle31.training.capacity import add_decoder_layers
 
 original = Product.whole
@@ -28,7 +28,7 @@ def layout(request, monkeypatch):
     if request.param == "rows" and not rows_kernel():
         pytest.skip("the rows kernel needs a CPU with AVX-512 and a C++ compiler")
     monkeypatch.setattr(routes, "routes", lambda dtype: (
-        request.param if request.param in routes.available(dtype) else "onednn",) * MAX_ROWS)
+        request.param if request.param in routes.available(dtype) else "onednn",) * len(routes.COUNTS))
     return request.param
 
 

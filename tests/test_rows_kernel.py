@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_eagle31.backends.cpu import rows
+from hf_eagle31.backends.cpu import routes, rows
 from hf_eagle31.backends.cpu.rows import MAX_ROWS, bf16_kernel, rows_kernel
 
 needs_kernel = pytest.mark.skipif(not rows_kernel(), reason="the rows kernel needs a CPU with AVX-512 and a C++ compiler")
@@ -119,7 +119,7 @@ def first_call(environment: dict, timeout: float = 600) -> subprocess.CompletedP
     folder.mkdir(parents=True, exist_ok=True)
     kept = folder / f"routes-float32-{torch.get_num_threads()}threads.json"
     if not kept.exists():
-        kept.write_text(json.dumps({"routes": ["torch"] * MAX_ROWS}))
+        kept.write_text(json.dumps({"counts": list(routes.COUNTS), "routes": ["torch"] * len(routes.COUNTS)}))
     return subprocess.run([sys.executable, "-c", FIRST_CALL, os.path.dirname(__file__)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **environment})
 

@@ -7,10 +7,16 @@ process that needs a dtype's routes times every implementation at every row coun
 than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
 build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
 read it. Delete the file to measure again.
+
+Past 16 rows (a prompt's prefill, a batch's verify blocks) the same holds: the kernel, which rereads the weights
+for every 16 rows, beat MKL's product up to a few hundred rows on an AMD EPYC and lost past them, and oneDNN's bf16
+product past ~128. So a few counts past 16 are measured too (`PAST_MAX_ROWS`), and a count between two of them goes
+where the next one measured goes.
 """
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import json
 import logging
@@ -29,17 +35,18 @@ from hf_eagle31.backends.cpu.rows import MAX_ROWS
 IMPLEMENTATIONS = ("rows", "torch", "onednn")  # the kernel; F.linear; oneDNN's product over its reordered copy
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
 SHAPES = ((2816, 1024), (1024, 2816))  # [out, in]: a decoder's up and down projections, in turn
+PAST_MAX_ROWS = (32, 64, 128, 256, 512)  # the counts measured past MAX_ROWS; more than the last go as the last
+COUNTS = (*range(1, MAX_ROWS + 1), *PAST_MAX_ROWS)  # every row count measured, in order
 
 logger = logging.getLogger(__name__)
-_ROUTES: dict[tuple[torch.dtype, int], tuple[str, ...]] = {}  # (dtype, threads) -> implementation of 1..MAX_ROWS rows
+_ROUTES: dict[tuple[torch.dtype, int], tuple[str, ...]] = {}  # (dtype, threads) -> implementation per COUNTS
 _MEASURING = threading.Lock()
 
 
 def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """`x` times each of `weights` (`[N_i, K]`), the outputs side by side, plus `bias`, by the implementation
-    measured fastest for its row count; more than `MAX_ROWS` rows by oneDNN's copy where there is one (`packed`,
-    the weights stacked and reordered), else torch's."""
+    measured fastest for its row count (`route`); oneDNN's over `packed`, the weights stacked and reordered."""
     how = route(x.numel() // x.shape[-1], x.dtype)
     if how == "rows":
         return torch.ops.hf_eagle31_rows.linear(x, weights, bias)
@@ -50,9 +57,9 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tenso
 
 
 def route(count: int, dtype: torch.dtype) -> str:
-    """The implementation `linear` multiplies `count` rows in `dtype` by: the measured one up to `MAX_ROWS`, else
-    oneDNN's (torch's where the weights have no oneDNN copy)."""
-    return routes(dtype)[count - 1] if 0 < count <= MAX_ROWS else "onednn"
+    """The implementation `linear` multiplies `count` rows in `dtype` by: the one measured fastest at `count`, or at
+    the next count measured (`COUNTS`), or past the last at the last."""
+    return routes(dtype)[min(bisect.bisect_left(COUNTS, count), len(COUNTS) - 1)]
 
 
 def on_kernel(count: int, dtype: torch.dtype) -> bool:
@@ -64,7 +71,7 @@ def serves_every_count(dtype: torch.dtype) -> bool:
     """Whether the rows kernel is measured fastest at every row count up to `MAX_ROWS` in `dtype`: a compiled verify
     graph then calls it for every block (lean.py), larger blocks too, so that no block size makes the graph change
     mid-call. Where it serves every count, it also beat torch's product at 17-61 rows (docs/benchmarks.md)."""
-    return all(how == "rows" for how in routes(dtype))
+    return all(how == "rows" for how in routes(dtype)[:MAX_ROWS])
 
 
 def copies(dtype: torch.dtype) -> bool:
@@ -73,17 +80,17 @@ def copies(dtype: torch.dtype) -> bool:
 
 
 def routes(dtype: torch.dtype) -> tuple[str, ...]:
-    """The implementation of 1, 2, ... `MAX_ROWS` rows in `dtype` at this thread count: read from the build folder,
-    or measured there (once a machine). While another thread of this process builds the kernel: torch's, not kept."""
+    """The implementation of each of `COUNTS` rows in `dtype` at this thread count: read from the build folder, or
+    measured there (once a machine). While another thread of this process builds the kernel: torch's, not kept."""
     key = (dtype, torch.get_num_threads())
     found = _ROUTES.get(key)
     if found is not None:
         return found
     candidates = available(dtype)
     if not rows.kernel_decided():
-        return ("torch",) * MAX_ROWS
+        return ("torch",) * len(COUNTS)
     if len(candidates) == 1:
-        found = candidates * MAX_ROWS
+        found = candidates * len(COUNTS)
     else:
         with _MEASURING:
             found = _ROUTES.get(key) or _kept_or_measured(dtype, candidates)
@@ -112,10 +119,10 @@ def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[
             if kept is not None:
                 return kept
             logger.warning("hf_eagle31: timing the %s products of 1-%d rows on this CPU (once, a few seconds)",
-                           str(dtype).removeprefix("torch."), MAX_ROWS)
+                           str(dtype).removeprefix("torch."), COUNTS[-1])
             seconds = measure(dtype, candidates)
             chosen = choose(seconds)
-            _write(path, {"routes": list(chosen), "seconds": seconds})
+            _write(path, {"counts": list(COUNTS), "routes": list(chosen), "seconds": seconds})
             return chosen
     except OSError:  # an unwritable cache: measured, not kept
         return choose(measure(dtype, candidates))
@@ -123,10 +130,11 @@ def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[
 
 def _read(path: Path, candidates: tuple[str, ...]) -> tuple[str, ...] | None:
     try:
-        chosen = tuple(json.loads(path.read_text())["routes"])
+        kept = json.loads(path.read_text())
+        chosen, counts = tuple(kept["routes"]), tuple(kept["counts"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return chosen if len(chosen) == MAX_ROWS and set(chosen) <= set(candidates) else None
+    return chosen if counts == COUNTS and len(chosen) == len(COUNTS) and set(chosen) <= set(candidates) else None
 
 
 def _write(path: Path, record: dict) -> None:
@@ -141,26 +149,27 @@ def choose(seconds: dict[str, list[float]]) -> tuple[str, ...]:
     Why the condition: oneDNN's product needs a reordered copy of every weight, made for each call (or held by
     `hold_products`) whichever row counts use it, so a row count or two where it is measured a little faster (or
     where other work slowed the others down) would cost every call that copy. It is a route only where it is
-    faster than the copy-free implementations over all row counts together."""
+    faster than the copy-free implementations over the row counts of decoding steps and verify blocks together (up
+    to `MAX_ROWS`: a prefill's products, rarer and far longer, would outweigh them)."""
     plain = [name for name in seconds if name != "onednn"]
     best_plain = [min(seconds[name][index] for name in plain) for index in range(MAX_ROWS)] if plain else None
-    if best_plain is not None and sum(seconds.get("onednn", [math.inf])) >= sum(best_plain):
+    if best_plain is not None and sum(seconds.get("onednn", [math.inf])[:MAX_ROWS]) >= sum(best_plain):
         seconds = {name: seconds[name] for name in plain}
-    return tuple(min(seconds, key=lambda name: seconds[name][index]) for index in range(MAX_ROWS))
+    return tuple(min(seconds, key=lambda name: seconds[name][index]) for index in range(len(COUNTS)))
 
 
 @torch.no_grad()
 def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> dict[str, list[float]]:
-    """Seconds each candidate takes to multiply 1..`MAX_ROWS` rows by a stream of weights (`workload`): each
+    """Seconds each candidate takes to multiply each of `COUNTS` rows by a stream of weights (`workload`): each
     product the fastest of `REPEATS` passes over every row count, so that other work on the machine, which slows
     whatever runs meanwhile, would have to last the whole measurement to count; each weight streamed from memory
     (the candidates take turns over the whole stream, longer than the cache)."""
     weights = workload(dtype)
     inputs = [{weight.shape[1]: torch.randn(count, weight.shape[1]).to(dtype) for weight, _ in weights}
-              for count in range(1, MAX_ROWS + 1)]
-    best = {name: [[math.inf] * len(weights) for _ in range(MAX_ROWS)] for name in candidates}
+              for count in COUNTS]
+    best = {name: [[math.inf] * len(weights) for _ in COUNTS] for name in candidates}
     for _ in range(REPEATS):
-        for index in range(MAX_ROWS):
+        for index in range(len(COUNTS)):
             for name in candidates:
                 for slot, (weight, packed) in enumerate(weights):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-MAX_ROWS = 16  # the row counts measured (routes.py): verify blocks; more rows (a prefill) go to torch's GEMM, but
-# a compiled verify block's to the kernel where it serves every count (routes.serves_every_count)
+MAX_ROWS = 16  # the row counts of verify blocks, each measured (routes.py); a prefill's are measured at a few counts
+# past it, and a compiled verify block's go to the kernel where it serves every count up to it (serves_every_count)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rows_linear.cpp", "rows_attention.cpp"))
 LIBRARY = "hf_eagle31_rows.so"
 
