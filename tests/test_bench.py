@@ -97,7 +97,8 @@ def test_headline_ratios_and_deep_acceptance_by_hand():
     from hf_eagle31.bench.runner import MethodResult, combine
 
     def result(name, tokens, seconds, forwards, reached=(), accepted=()):
-        return MethodResult(name, tokens, seconds, forwards, None, True, list(reached), list(accepted))
+        return MethodResult(name, tokens, seconds, forwards, None, True, list(reached), list(accepted),
+                            first_token_seconds=0.5)  # the two prompts' first tokens
 
     results = [
         result("target alone", 102, 10.0, 102),
@@ -122,10 +123,11 @@ def test_headline_ratios_and_deep_acceptance_by_hand():
     floor = Roofline(bandwidth=5.1e9, step_bytes=100_000_000, dtype="float32")  # 51 tokens/s
     assert headline(results, prompts=2, roofline=floor)[0] == (
         "EAGLE 3.1 tree: WARNING: speedup over the best plain decoding (target alone, fast decoding): 4.00x exceeds "
-        "tau 2.38: the plain baseline runs below the memory's rate (25% of the floor rate), so this is not a result "
-        "(5.00x over target alone at default settings)")
-    assert "| EAGLE 3.1 tree | 51.0 | 1.00 | 4.00x | 5.00x | 2.38 |" in markdown_table(results, 2, roofline=floor)
-    assert "| target alone | 10.2 | 0.20 | 0.80x |" in markdown_table(results, 2, roofline=floor)
+        "tau 2.38: the plain baseline runs below the memory's rate (26% of the floor rate), so this is not a result "
+        "(5.00x over target alone at default settings)")  # after the first tokens: 100 tokens in 7.5 s, 13.3 / 51
+    # after the first token: 100 tokens in 1.5 s (66.7 tokens/s, 1.31 floor rates), in 9.5 s (10.5, 0.21)
+    assert "| EAGLE 3.1 tree | 51.0 | 66.7 | 1.31 | 4.00x | 5.00x | 2.38 |" in markdown_table(results, 2, roofline=floor)
+    assert "| target alone | 10.2 | 10.5 | 0.21 | 0.80x |" in markdown_table(results, 2, roofline=floor)
     assert "| target alone | 10.2 | 0.80x |" in markdown_table(results, 2)  # no roofline, no column
 
 
@@ -283,13 +285,16 @@ def test_datasets_combine_and_the_bound_by_hand():
 
     shape = {"speculation_mode": "chain", "num_assistant_tokens": 3, "tree_top_k": 10, "tree_depth": 6,
              "tree_total_tokens": 60}
-    a = [MethodResult("target alone", 22, 2.0, 22, 10, True), MethodResult("EAGLE 3.1 chain", 22, 1.0, 9, 30, True,
-                                                                            [8, 6], [6, 3], shape, identical_prompts=1,
-                                                                            step_seconds=0.75)]
-    b = [MethodResult("target alone", 42, 4.0, 42, 20, True), MethodResult("EAGLE 3.1 chain", 42, 1.0, 12, 5, False,
-                                                                            [10], [9], shape, identical_prompts=0,
-                                                                            step_seconds=0.5)]
+    a = [MethodResult("target alone", 22, 2.0, 22, 10, True, first_token_seconds=0.5),
+         MethodResult("EAGLE 3.1 chain", 22, 1.0, 9, 30, True, [8, 6], [6, 3], shape, identical_prompts=1,
+                      step_seconds=0.75)]
+    b = [MethodResult("target alone", 42, 4.0, 42, 20, True, first_token_seconds=1.0),
+         MethodResult("EAGLE 3.1 chain", 42, 1.0, 12, 5, False, [10], [9], shape, identical_prompts=0,
+                      step_seconds=0.5)]
     overall = combine([a, b])
+    # after each prompt's first token: (64 - 2) tokens in 6 s less the 1.5 s of the first tokens
+    assert overall[0].decode_tokens_per_second(2) == pytest.approx(62 / 4.5)
+    assert overall[1].decode_tokens_per_second(2) is None  # first tokens not timed
     assert [r.new_tokens for r in overall] == [64, 64] and overall[1].target_forwards == 21
     assert overall[1].reached == [18, 6] and overall[1].accepted == [15, 3]
     assert overall[1].peak_memory_bytes == 30 and overall[1].identical_to_target is False
@@ -332,14 +337,18 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys, monkeypatch):
     line = results["roofline"]
     assert line["bandwidth_bytes_per_second"] > 0 and line["dtype"] == "float32"
     assert line["floor_tokens_per_second"] == pytest.approx(line["bandwidth_bytes_per_second"] / line["step_bytes"])
-    assert all(m["of_floor"] == pytest.approx(m["tokens_per_second"] / line["floor_tokens_per_second"])
-               for m in results["methods"])
+    # ... over each method's rate after the first token, its first tokens timed apart (a call for one token each;
+    # none where, over 6 tokens, they took as long as the whole calls)
+    decoded = [m for m in results["methods"] if m["seconds"] > m["first_token_seconds"] > 0]
+    assert decoded and all(m["decode_tokens_per_second"] == pytest.approx((m["new_tokens"] - 1) / (
+        m["seconds"] - m["first_token_seconds"])) and m["of_floor"] == pytest.approx(
+        m["decode_tokens_per_second"] / line["floor_tokens_per_second"]) for m in decoded)
     assert {path: list(curve) for path, curve in line["verify_seconds"].items()} == \
         {path: ["1", "2", "3", "4", "6", "8", "12", "16"] for path in ("default", "cpu backend")}
     printed = capsys.readouterr().out
     assert "**Roofline**: read bandwidth" in printed and "| default | 1.00 | 1.10 | 1.20 | 1.30 | 1.50 |" in printed
     assert f"the floor (a step's weights read once): {line['floor_seconds_per_token'] / 0.01:.2f} t(1)" in printed
-    assert "over floor rate" in (out / "results.md").read_text()
+    assert "| after the first token | over floor rate |" in (out / "results.md").read_text()
     assert cli_main(["bench", "--pair", "demo", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
     assert "none.jsonl does not exist" in capsys.readouterr().err
 

@@ -34,12 +34,13 @@ def bound(result: MethodResult, tuning: dict, prompts: int, baseline: MethodResu
 
 def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | None = None,
                    roofline: Roofline | None = None) -> str:
-    """One row per method; with a `roofline`, each method's tokens/s over the floor rate beside its tokens/s."""
-    floor = " over floor rate |" if roofline else ""
+    """One row per method; with a `roofline`, beside its tokens/s its rate after the first token (the decoding steps
+    alone: `MethodResult.decode_tokens_per_second`) and that rate over the floor rate."""
+    floor = " after the first token | over floor rate |" if roofline else ""
     rows = [
         f"| method | tokens/s |{floor} speedup | vs default generate | tau | bound (reached) | acceptance by depth "
         "| identical to target | peak memory (MiB) |",
-        "|---|---:|" + "---:|" * bool(roofline) + "---:|---:|---:|---:|---|---|---:|",
+        "|---|---:|" + "---:|---:|" * bool(roofline) + "---:|---:|---:|---:|---|---|---:|",
     ]
     for r in results:
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance_per_depth[:8]) or "-"
@@ -48,12 +49,23 @@ def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | Non
         memory = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.0f}"
         limit = bound(r, tuning or {}, prompts, best_plain(results))
         reach = "-" if limit is None else f"{limit:.2f}x ({r.speedup / limit:.0%})"
-        floor = f" {roofline.of_floor(r.tokens_per_second):.2f} |" if roofline else ""
+        floor = f" {_decode_cells(r, prompts, roofline)} |" if roofline else ""
         rows.append(
             f"| {r.name} | {r.tokens_per_second:.1f} |{floor} {r.speedup:.2f}x | {r.speedup_default:.2f}x | "
             f"{r.tau(prompts):.2f} | {reach} | {acceptance} | {identical} | {memory} |"
         )
     return "\n".join(rows)
+
+
+def _decode_cells(result: MethodResult, prompts: int, roofline: Roofline) -> str:
+    rate = result.decode_tokens_per_second(prompts)
+    return "- | -" if rate is None else f"{rate:.1f} | {roofline.of_floor(rate):.2f}"
+
+
+def of_floor(result: MethodResult, prompts: int, roofline: Roofline | None) -> float | None:
+    """The method's rate after the first token over the floor rate (None without a roofline or first tokens)."""
+    rate = result.decode_tokens_per_second(prompts)
+    return None if roofline is None or rate is None else roofline.of_floor(rate)
 
 
 def dataset_table(per_dataset: dict[str, list[MethodResult]], prompts: dict[str, int]) -> str:
@@ -80,7 +92,7 @@ def headline(results: list[MethodResult], prompts: int, roofline: Roofline | Non
                if name in by_name]
     if eagle31:
         best, plain = max(eagle31, key=lambda r: r.tokens_per_second), best_plain(results)
-        share = roofline.of_floor(plain.tokens_per_second) if roofline else None
+        share = of_floor(plain, prompts, roofline)
         lines.append(f"{best.name}: {speedup_claim(best.speedup, best.tau(prompts), plain.name, share)} "
                      f"({best.speedup_default:.2f}x over {results[0].name} at default settings)")
         for baseline in ("assisted (small LM)", "prompt lookup"):
@@ -136,7 +148,8 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict, roofline: Roo
         {
             "name": r.name,
             "tokens_per_second": r.tokens_per_second,
-            "of_floor": roofline.of_floor(r.tokens_per_second) if roofline else None,
+            "decode_tokens_per_second": r.decode_tokens_per_second(prompts),
+            "of_floor": of_floor(r, prompts, roofline),
             "speedup": r.speedup,
             "speedup_default": r.speedup_default,
             "tau": r.tau(prompts),
@@ -145,6 +158,7 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict, roofline: Roo
             "accepted_per_depth": r.accepted,
             "new_tokens": r.new_tokens,
             "seconds": r.seconds,
+            "first_token_seconds": r.first_token_seconds,
             "target_forwards": r.target_forwards,
             "peak_memory_bytes": r.peak_memory_bytes,
             "identical_to_target": r.identical_to_target,

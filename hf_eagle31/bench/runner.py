@@ -51,6 +51,7 @@ class MethodResult:
     speedup_default: float | None = None  # over plain `generate` at default settings (the first method)
     identical_prompts: int | None = None  # how many prompts' outputs equal the baseline's (None: not compared)
     step_seconds: float | None = None  # the EAGLE loop's drafting, verifying and plain steps (no prefill, packing)
+    first_token_seconds: float | None = None  # each prompt's call for one new token (`first_token_seconds`), summed
 
     @property
     def tokens_per_second(self) -> float:
@@ -67,6 +68,14 @@ class MethodResult:
 
     def tau(self, prompts: int) -> float:
         return (self.new_tokens - prompts) / max(self.target_forwards - prompts, 1)
+
+    def decode_tokens_per_second(self, prompts: int) -> float | None:
+        """The tokens after each prompt's first over the time after it: the rate of the decoding steps alone, the
+        one the roofline's floor bounds (a step reads the weights once; the first token is the prefill's, which
+        computes rather than streams). None where the first tokens were not timed."""
+        if self.first_token_seconds is None or self.seconds <= self.first_token_seconds:
+            return None
+        return (self.new_tokens - prompts) / (self.seconds - self.first_token_seconds)
 
 
 @contextmanager
@@ -142,6 +151,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
     # prompts are unpadded: a mask of ones keeps transformers from reading a pad id inside the text as padding
     mask = lambda prompt: torch.ones_like(prompt)  # noqa: E731
     target.generate(prompts[0], attention_mask=mask(prompts[0]), **{**kwargs, "max_new_tokens": min(8, max_new_tokens)})
+    first = first_token_seconds(target, prompts, kwargs)
     outputs, seconds, reached, accepted, steps = [], 0.0, [], [], 0.0
     with peak_memory(target.device) as memory, count_forwards(target) as forwards:
         for number, prompt in enumerate(tqdm(prompts, desc=method.name, leave=False, disable=not progress)):
@@ -169,11 +179,26 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
         identical_to_target=None if matches is None else all(matches),
         identical_prompts=None if matches is None else sum(matches),
         step_seconds=steps if method.drafter is not None else None,
+        first_token_seconds=first,
         reached=reached,
         accepted=accepted,
         speculation={name: getattr(used, name, None) for name in SHAPE} if used is not None else {},
     )
     return result, outputs
+
+
+def first_token_seconds(target: PreTrainedModel, prompts: list[torch.Tensor], kwargs: dict) -> float:
+    """Seconds to each prompt's first new token, summed: a call for one token each (the prefill and whatever a call
+    sets up), timed apart from the measured calls so that their rate after the first token can be told apart."""
+    seconds = 0.0
+    for number, prompt in enumerate(prompts):
+        torch.manual_seed(number)
+        started = time.perf_counter()
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), **{**kwargs, "max_new_tokens": 1})
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - started
+    return seconds
 
 
 def _add(total: list[int], more: list[int]) -> list[int]:
@@ -217,7 +242,7 @@ def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
     for same in zip(*runs):
         memory = [r.peak_memory_bytes for r in same if r.peak_memory_bytes is not None]
         identical, matches = [r.identical_to_target for r in same], [r.identical_prompts for r in same]
-        steps = [r.step_seconds for r in same]
+        steps, firsts = [r.step_seconds for r in same], [r.first_token_seconds for r in same]
         reached, accepted = [], []
         for r in same:
             reached, accepted = _add(reached, r.reached), _add(accepted, r.accepted)
@@ -227,6 +252,7 @@ def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
             identical_to_target=None if None in identical else all(identical),
             identical_prompts=None if None in matches else sum(matches), reached=reached, accepted=accepted,
             speculation=same[0].speculation, step_seconds=None if None in steps else sum(steps),
+            first_token_seconds=None if None in firsts else sum(firsts),
         ))
     _speedups(combined)
     return combined
