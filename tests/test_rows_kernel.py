@@ -47,6 +47,22 @@ def test_the_kernel_computes_torchs_product(rows, features, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_alone_gets_the_bits_it_gets_in_a_block(dtype):
+    """A decoding step multiplies one row and a verify block several: the kernel reads the weights in another order
+    for one row (one stream, rows_linear.cpp's `stream_rows`) but sums each output in the same order, so a token's
+    logits do not depend on whether it was verified alone or in a block."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 577).to(dtype)  # a tail of K past the vectors
+    weights = [torch.randn(1000, 577).to(dtype), torch.randn(7, 577).to(dtype)]
+    bias = torch.randn(1007).to(dtype)
+    for count in (2, 9, 16):
+        block = torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias)
+        for row in (0, count - 1):
+            assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[row : row + 1], weights, bias), block[row : row + 1])
+
+
+@needs_kernel
 def test_the_kernel_refuses_what_it_cannot_multiply():
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match="fp32 input"):
