@@ -148,19 +148,13 @@ SHAPE = ("speculation_mode", "num_assistant_tokens", "tree_top_k", "tree_depth",
 def _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature=0.0):
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     kwargs = {**sampling, "max_new_tokens": max_new_tokens, **method.generate_kwargs}
-    # prompts are unpadded: a mask of ones keeps transformers from reading a pad id inside the text as padding
-    mask = lambda prompt: torch.ones_like(prompt)  # noqa: E731
-    target.generate(prompts[0], attention_mask=mask(prompts[0]), **{**kwargs, "max_new_tokens": min(8, max_new_tokens)})
+    timed_generate(target, prompts[0], 0, {**kwargs, "max_new_tokens": min(8, max_new_tokens)})  # warm-up
     first = first_token_seconds(target, prompts, kwargs)
     outputs, seconds, reached, accepted, steps = [], 0.0, [], [], 0.0
     with peak_memory(target.device) as memory, count_forwards(target) as forwards:
         for number, prompt in enumerate(tqdm(prompts, desc=method.name, leave=False, disable=not progress)):
-            torch.manual_seed(number)  # sampling: every method draws with the same seed per prompt
-            started = time.perf_counter()
-            out = target.generate(prompt, attention_mask=mask(prompt), **kwargs)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds += time.perf_counter() - started
+            out, taken = timed_generate(target, prompt, number, kwargs)
+            seconds += taken
             outputs.append(out)
             if method.drafter is not None:
                 stats = method.drafter.speculation_stats
@@ -187,18 +181,24 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
     return result, outputs
 
 
+def timed_generate(target: PreTrainedModel, prompt: torch.Tensor, number: int, kwargs: dict
+                   ) -> tuple[torch.Tensor, float]:
+    """`target.generate` on the `number`-th prompt and the seconds it took. Seeded by `number`: sampling methods draw
+    with the same seed per prompt. The prompts are unpadded: a mask of ones keeps transformers from reading a pad id
+    inside the text as padding."""
+    torch.manual_seed(number)
+    started = time.perf_counter()
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - started
+
+
 def first_token_seconds(target: PreTrainedModel, prompts: list[torch.Tensor], kwargs: dict) -> float:
     """Seconds to each prompt's first new token, summed: a call for one token each (the prefill and whatever a call
     sets up), timed apart from the measured calls so that their rate after the first token can be told apart."""
-    seconds = 0.0
-    for number, prompt in enumerate(prompts):
-        torch.manual_seed(number)
-        started = time.perf_counter()
-        target.generate(prompt, attention_mask=torch.ones_like(prompt), **{**kwargs, "max_new_tokens": 1})
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - started
-    return seconds
+    return sum(timed_generate(target, prompt, number, {**kwargs, "max_new_tokens": 1})[1]
+               for number, prompt in enumerate(prompts))
 
 
 def _add(total: list[int], more: list[int]) -> list[int]:
