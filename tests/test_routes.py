@@ -1,6 +1,8 @@
 """Which implementation multiplies how many rows (hf_eagle31/backends/cpu/routes.py): measured, kept beside the kernel
 build, and whichever each row count got, decoding equals plain `generate`."""
 
+import json
+
 import pytest
 import torch
 from tiny_models import PROMPTS, make_target, trained_pair
@@ -83,6 +85,30 @@ def test_onednn_serves_only_where_its_copy_pays_over_all_row_counts():
     assert routes.choose(seconds) == ("torch",) + ("rows",) * (COUNTS - 1)
     seconds["onednn"] = [1.1] * 8 + [0.5] * (COUNTS - 8)  # faster over all: the copy pays, and serves where fastest
     assert routes.choose(seconds) == ("torch",) + ("rows",) * 7 + ("onednn",) * (COUNTS - 8)
+
+
+def test_onednn_serves_only_where_it_repays_its_copy(monkeypatch):
+    """Faster by 1-2% over all row counts, oneDNN's product was chosen on an AMD EPYC, and every call made its copy
+    of the weights (0.14 s for SmolLM2 in fp32) to save less than that over its steps."""
+    seconds = {"rows": [1.0] * COUNTS, "torch": [3.0] * COUNTS, "onednn": [0.99] * COUNTS}
+    assert routes.choose(seconds, copy=0.0) == ("onednn",) * COUNTS
+    saved = 0.01 * routes.PAYBACK_STEPS  # what it saves over `PAYBACK_STEPS`
+    assert routes.choose(seconds, copy=saved * 1.5) == ("rows",) * COUNTS
+    assert routes.choose(seconds, copy=saved / 2) == ("onednn",) * COUNTS
+    # `measure` times the copy of the weights it streams, and a file chosen without it is measured again
+    weights = [torch.randn(64, 32), torch.randn(32, 64)]
+    monkeypatch.setattr(routes, "workload", lambda dtype: [(w, torch.ops.mkldnn._reorder_linear_weight(w, 8))
+                                                           for w in weights])
+    monkeypatch.setattr(routes, "_time", fake_timer({}))
+    assert routes.measure(torch.float32, ("torch",))[1] < routes.measure(torch.float32, ("torch", "onednn"))[1]
+
+
+def test_a_kept_file_without_the_copys_cost_is_measured_again(tmp_path):
+    path = tmp_path / "routes.json"
+    path.write_text(json.dumps({"counts": list(routes.COUNTS), "routes": ["torch"] * COUNTS}))
+    assert routes._read(path, ("rows", "torch", "onednn")) is None
+    path.write_text(json.dumps({"counts": list(routes.COUNTS), "routes": ["torch"] * COUNTS, "copy_seconds": 0.1}))
+    assert routes._read(path, ("rows", "torch", "onednn")) == ("torch",) * COUNTS
 
 
 def test_only_a_row_count_measured_fastest_on_onednn_makes_its_copy(monkeypatch):

@@ -40,7 +40,6 @@ from hf_eagle31.backends.cpu import routes
 from hf_eagle31.interrupts import Held
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a module's linears that read one input
 
 
@@ -167,7 +166,7 @@ def _pack(members: list[nn.Linear], held: bool) -> Product:
     packed = None
     if not rows_layout(weights[0].dtype):
         stacked = weights[0].detach() if len(members) == 1 else torch.cat([w.detach() for w in weights])
-        packed = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), BATCH_HINT)
+        packed = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), routes.BATCH_HINT)
     product = Product(packed, bias, sizes, key, weights, biases, versions)
     if held:
         product.sums = tuple(map(checksum, product.copies()))

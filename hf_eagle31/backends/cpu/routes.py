@@ -35,8 +35,12 @@ from hf_eagle31.backends.cpu.rows import MAX_ROWS
 IMPLEMENTATIONS = ("rows", "torch", "onednn")  # the kernel; F.linear; oneDNN's product over its reordered copy
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
 SHAPES = ((2816, 1024), (1024, 2816))  # [out, in]: a decoder's up and down projections, in turn
+BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size (its copies here and in products.py)
 PAST_MAX_ROWS = (32, 64, 128, 256, 512)  # the counts measured past MAX_ROWS; more than the last go as the last
 COUNTS = (*range(1, MAX_ROWS + 1), *PAST_MAX_ROWS)  # every row count measured, in order
+# the steps (one at each row count of 1-MAX_ROWS, in turn) over which oneDNN's copy of the weights must pay for
+# itself, a copy being made at every call: a short answer's decoding steps (`choose`)
+PAYBACK_STEPS = 64
 
 logger = logging.getLogger(__name__)
 _ROUTES: dict[tuple[torch.dtype, int], tuple[str, ...]] = {}  # (dtype, threads) -> implementation per COUNTS
@@ -120,21 +124,22 @@ def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[
                 return kept
             logger.warning("hf_eagle31: timing the %s products of 1-%d rows on this CPU (once, a few seconds)",
                            str(dtype).removeprefix("torch."), COUNTS[-1])
-            seconds = measure(dtype, candidates)
-            chosen = choose(seconds)
-            _write(path, {"counts": list(COUNTS), "routes": list(chosen), "seconds": seconds})
+            seconds, copy = measure(dtype, candidates)
+            chosen = choose(seconds, copy)
+            _write(path, {"counts": list(COUNTS), "routes": list(chosen), "seconds": seconds, "copy_seconds": copy})
             return chosen
     except OSError:  # an unwritable cache: measured, not kept
-        return choose(measure(dtype, candidates))
+        return choose(*measure(dtype, candidates))
 
 
 def _read(path: Path, candidates: tuple[str, ...]) -> tuple[str, ...] | None:
     try:
         kept = json.loads(path.read_text())
         chosen, counts = tuple(kept["routes"]), tuple(kept["counts"])
+        charged = "copy_seconds" in kept  # an older file chose oneDNN without its copy's cost: measured again
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return chosen if counts == COUNTS and len(chosen) == len(COUNTS) and set(chosen) <= set(candidates) else None
+    return chosen if charged and counts == COUNTS and len(chosen) == len(COUNTS) and set(chosen) <= set(candidates) else None
 
 
 def _write(path: Path, record: dict) -> None:
@@ -143,24 +148,30 @@ def _write(path: Path, record: dict) -> None:
     os.replace(partial, path)
 
 
-def choose(seconds: dict[str, list[float]]) -> tuple[str, ...]:
+def choose(seconds: dict[str, list[float]], copy: float = 0.0) -> tuple[str, ...]:
     """The fastest implementation at each row count, from `measure`'s seconds; oneDNN's only where its copy pays.
 
     Why the condition: oneDNN's product needs a reordered copy of every weight, made for each call (or held by
     `hold_products`) whichever row counts use it, so a row count or two where it is measured a little faster (or
-    where other work slowed the others down) would cost every call that copy. It is a route only where it is
-    faster than the copy-free implementations over the row counts of decoding steps and verify blocks together (up
-    to `MAX_ROWS`: a prefill's products, rarer and far longer, would outweigh them)."""
+    where other work slowed the others down) would cost every call that copy. It is a route only where, run at every
+    row count of decoding steps and verify blocks (up to `MAX_ROWS`: a prefill's products, rarer and far longer,
+    would outweigh them), it is faster than the copy-free implementations by more than its `copy` (the seconds it
+    takes to make, for the same weights) spread over `PAYBACK_STEPS`. Uncharged, a sum 1-2% below theirs chose
+    it on an AMD EPYC, where its copy cost a call 0.14 s (SmolLM2, fp32) and its products were no
+    faster in the model: `fast_decoding` ran 5% slower and EAGLE 12%."""
     plain = [name for name in seconds if name != "onednn"]
-    best_plain = [min(seconds[name][index] for name in plain) for index in range(MAX_ROWS)] if plain else None
-    if best_plain is not None and sum(seconds.get("onednn", [math.inf])[:MAX_ROWS]) >= sum(best_plain):
-        seconds = {name: seconds[name] for name in plain}
+    if plain and "onednn" in seconds:
+        best_plain = [min(seconds[name][index] for name in plain) for index in range(MAX_ROWS)]
+        saved = (sum(best_plain) - sum(seconds["onednn"][:MAX_ROWS])) / MAX_ROWS  # a step, on oneDNN's product
+        if PAYBACK_STEPS * saved <= copy:
+            seconds = {name: seconds[name] for name in plain}
     return tuple(min(seconds, key=lambda name: seconds[name][index]) for index in range(len(COUNTS)))
 
 
 @torch.no_grad()
-def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> dict[str, list[float]]:
-    """Seconds each candidate takes to multiply each of `COUNTS` rows by a stream of weights (`workload`): each
+def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, list[float]], float]:
+    """Seconds each candidate takes to multiply each of `COUNTS` rows by a stream of weights (`workload`), and the
+    seconds oneDNN's copy of those weights takes to make (`choose` charges it; 0 without oneDNN): each
     product the fastest of `REPEATS` passes over every row count, so that other work on the machine, which slows
     whatever runs meanwhile, would have to last the whole measurement to count; each weight streamed from memory
     (the candidates take turns over the whole stream, longer than the cache)."""
@@ -174,7 +185,12 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> dict[str, list[f
                 for slot, (weight, packed) in enumerate(weights):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
                     best[name][index][slot] = min(best[name][index][slot], taken)
-    return {name: [sum(products) for products in best[name]] for name in candidates}
+    begun = time.perf_counter()  # the copy as a call makes it: every weight reordered into fresh memory
+    for weight, packed in weights:
+        if packed is not None and "onednn" in candidates:
+            torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    copy = time.perf_counter() - begun
+    return {name: [sum(products) for products in best[name]] for name in candidates}, copy
 
 
 def workload(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -184,7 +200,7 @@ def workload(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None
     total, weights = 0, []
     while total < max(2 * _last_level_cache(), 64 << 20):
         weight = torch.randn(SHAPES[len(weights) % len(SHAPES)]).to(dtype)
-        weights.append((weight, torch.ops.mkldnn._reorder_linear_weight(weight, 8) if onednn else None))
+        weights.append((weight, torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT) if onednn else None))
         total += weight.numel() * weight.element_size()
     return weights
 
