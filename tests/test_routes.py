@@ -95,8 +95,8 @@ def test_onednn_serves_only_where_it_repays_its_copy(monkeypatch):
     saved = 0.01 * routes.PAYBACK_STEPS  # what it saves over `PAYBACK_STEPS`
     assert routes.choose(seconds, copy=saved * 1.5) == ("rows",) * COUNTS
     assert routes.choose(seconds, copy=saved / 2) == ("onednn",) * COUNTS
-    # `measure` times the copy of the weights it streams, and a file chosen without it is measured again
-    weights = [torch.randn(64, 32), torch.randn(32, 64)]
+    # `measure` times the copy of the weights it streams (large enough that a copy outlasts any hiccup)
+    weights = [torch.randn(1024, 2048), torch.randn(2048, 1024)]
     monkeypatch.setattr(routes, "workload", lambda dtype: [(w, torch.ops.mkldnn._reorder_linear_weight(w, 8))
                                                            for w in weights])
     monkeypatch.setattr(routes, "_time", fake_timer({}))
