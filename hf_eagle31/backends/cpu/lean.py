@@ -185,27 +185,29 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
 
 
 def _product(key: int, x: torch.Tensor, out_features: int, linears: tuple[nn.Linear, ...],
-             direct: bool) -> torch.Tensor:
+             direct: bool, near: int = 0) -> torch.Tensor:
     """The product under `key` of the layers `linears`. `direct`, in a compiled graph whose rows the rows kernel
     serves (a one-token step's count, `routes.on_kernel`; a block's, any count, `routes.serves_every_count`): the
     kernel itself on the layers' weights and biases, which are the product's (`fits`), the same call
-    `Product.whole` makes; the graph calls it through the dispatcher, where `packed_product` calls back into Python
-    at every product (a noticeable share of a step: docs/benchmarks.md)."""
+    `Product.whole` makes (`near`: the row counts it prefetches into L1 for, `routes.near`); the graph calls it through
+    the dispatcher, where `packed_product` calls back into Python at every product (a noticeable share of a step:
+    docs/benchmarks.md)."""
     if not direct:
         return packed_product(key, x, out_features)
     bias = stacked_bias(tuple(linear.bias for linear in linears))
-    return torch.ops.hf_eagle31_rows.linear(x, [linear.weight for linear in linears], bias)
+    return torch.ops.hf_eagle31_rows.linear(x, [linear.weight for linear in linears], bias, near)
 
 
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
-               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: int, o: int, direct: bool) -> torch.Tensor:
+               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: int, o: int, direct: bool,
+               near: int) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
     # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations);
     # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
     heads = _product(qkv, x, (queries + 2 * kv) * size, (attention.q_proj, attention.k_proj, attention.v_proj),
-                     direct).view(*x.shape[:-1], -1, size)
+                     direct, near).view(*x.shape[:-1], -1, size)
     turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
     keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
@@ -216,30 +218,32 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tens
     # most of a one-row call setting up blocks of many; a block's rows it computes no faster)
     attend = torch.ops.hf_eagle31_rows.attention if direct and x.shape[1] == 1 and rows.attends(size) else None
     out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling, attend)
-    return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, (attention.o_proj,), direct)
+    return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, (attention.o_proj,), direct,
+                    near)
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool) -> torch.Tensor:
+def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool, near: int) -> torch.Tensor:
     width = mlp.intermediate_size
-    gate, up = _product(gate_up, x, 2 * width, (mlp.gate_proj, mlp.up_proj), direct).split(width, dim=-1)
-    return _product(down, mlp.act_fn(gate) * up, mlp.hidden_size, (mlp.down_proj,), direct)
+    gate, up = _product(gate_up, x, 2 * width, (mlp.gate_proj, mlp.up_proj), direct, near).split(width, dim=-1)
+    return _product(down, mlp.act_fn(gate) * up, mlp.hidden_size, (mlp.down_proj,), direct, near)
 
 
 def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys: list[torch.Tensor], values: list[torch.Tensor], length: int, mask: torch.Tensor,
-             target_layer_ids: tuple[int, ...], direct: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             target_layer_ids: tuple[int, ...], direct: bool = False, near: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
     `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants);
-    `direct`: traced, the rows kernel multiplies every product (`_product`) and, in a one-token step, its library
-    attends (`_attention`)."""
+    `direct`: traced, the rows kernel multiplies every product (`_product`, with `near`) and, in a one-token step, its
+    library attends (`_attention`)."""
     family, products = FAMILIES[type(model)], products or product_keys(model)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         qkv, o, gate_up, down = products[4 * index : 4 * index + 4]
         states[index] = x
         x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, keys[index],
-                           values[index], length, mask, family.rotate_half, qkv, o, direct)
-        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down, direct)
+                           values[index], length, mask, family.rotate_half, qkv, o, direct, near)
+        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down, direct, near)
     x = family.norm.forward(model.norm, x)
     states[model.config.num_hidden_layers] = x
     return x, torch.cat([states[i] for i in target_layer_ids], dim=-1) if target_layer_ids else None
@@ -295,7 +299,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 # the products on the rows kernel: one graph for one-token steps, one for every block size
                 direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype)
-                x, features = compiled_decoder()(model, None, *inputs, direct)
+                x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype) if n > 1 else 0)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "
                                f"fast_decoding's compile_step=True: {type(error).__name__}); install a C++ compiler "

@@ -2,7 +2,9 @@
 
 Why: which of the rows kernel (rows.py), torch's product (MKL) and oneDNN's product over its reordered copy of the
 weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at
-a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. The first
+a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does
+whether the kernel's blocks also prefetch into L1 (its `near`: faster at 8-16 rows on an AMD EPYC, 2-6 within a few
+percent either way), measured as a fourth implementation ("rows_near") at 2-16 rows. The first
 process that needs a dtype's routes times every implementation at every row count on a stream of weights larger
 than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
 build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
@@ -32,7 +34,9 @@ import torch.nn.functional as F
 from hf_eagle31.backends.cpu import rows
 from hf_eagle31.backends.cpu.rows import MAX_ROWS
 
-IMPLEMENTATIONS = ("rows", "torch", "onednn")  # the kernel; F.linear; oneDNN's product over its reordered copy
+# the kernel, without and with its L1 prefetch; F.linear; oneDNN's product over its reordered copy of the weights
+IMPLEMENTATIONS = ("rows", "rows_near", "torch", "onednn")
+KERNEL = ("rows", "rows_near")
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
 SHAPES = ((2816, 1024), (1024, 2816))  # [out, in]: a decoder's up and down projections, in turn
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size (its copies here and in products.py)
@@ -52,8 +56,8 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tenso
     """`x` times each of `weights` (`[N_i, K]`), the outputs side by side, plus `bias`, by the implementation
     measured fastest for its row count (`route`); oneDNN's over `packed`, the weights stacked and reordered."""
     how = route(x.numel() // x.shape[-1], x.dtype)
-    if how == "rows":
-        return torch.ops.hf_eagle31_rows.linear(x, weights, bias)
+    if how in KERNEL:
+        return torch.ops.hf_eagle31_rows.linear(x, weights, bias, near(x.dtype))
     if how == "onednn" and packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     out = torch.cat([F.linear(x, weight) for weight in weights], dim=-1)
@@ -68,14 +72,20 @@ def route(count: int, dtype: torch.dtype) -> str:
 
 def on_kernel(count: int, dtype: torch.dtype) -> bool:
     """Whether `count` rows in `dtype` are multiplied by the rows kernel (as `linear` would)."""
-    return route(count, dtype) == "rows"
+    return route(count, dtype) in KERNEL
+
+
+def near(dtype: torch.dtype) -> int:
+    """The kernel's `near` in `dtype`: a bit for each row count of 1-16 (bit r - 1 for r rows) measured faster with the
+    L1 prefetch; the kernel applies it to every group of rows it multiplies, a block's past 16 rows included."""
+    return sum(1 << index for index, how in enumerate(routes(dtype)[:MAX_ROWS]) if how == "rows_near")
 
 
 def serves_every_count(dtype: torch.dtype) -> bool:
     """Whether the rows kernel is measured fastest at every row count up to `MAX_ROWS` in `dtype`: a compiled verify
     graph then calls it for every block (lean.py), larger blocks too, so that no block size makes the graph change
     mid-call. Where it served every count (an AMD EPYC), it also multiplied 17-61 rows 1.5-2.7x faster than torch."""
-    return all(how == "rows" for how in routes(dtype)[:MAX_ROWS])
+    return all(how in KERNEL for how in routes(dtype)[:MAX_ROWS])
 
 
 def copies(dtype: torch.dtype) -> bool:
@@ -107,7 +117,7 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     kernel = rows.rows_kernel() and (dtype == torch.float32 or (dtype == torch.bfloat16 and rows.bf16_kernel()))
     onednn = torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    return tuple(name for name, usable in zip(IMPLEMENTATIONS, (kernel, True, onednn)) if usable)
+    return tuple(name for name, usable in zip(IMPLEMENTATIONS, (kernel, kernel, True, onednn)) if usable)
 
 
 def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[str, ...]:
@@ -137,9 +147,11 @@ def _read(path: Path, candidates: tuple[str, ...]) -> tuple[str, ...] | None:
         kept = json.loads(path.read_text())
         chosen, counts = tuple(kept["routes"]), tuple(kept["counts"])
         charged = "copy_seconds" in kept  # an older file chose oneDNN without its copy's cost: measured again
+        complete = set(candidates) <= set(kept["seconds"])  # an older file measured no "rows_near": measured again
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return chosen if charged and counts == COUNTS and len(chosen) == len(COUNTS) and set(chosen) <= set(candidates) else None
+    usable = counts == COUNTS and len(chosen) == len(COUNTS) and set(chosen) <= set(candidates)
+    return chosen if charged and complete and usable else None
 
 
 def _write(path: Path, record: dict) -> None:
@@ -182,6 +194,8 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
     for _ in range(REPEATS):
         for index in range(len(COUNTS)):
             for name in candidates:
+                if name == "rows_near" and not 1 < COUNTS[index] <= MAX_ROWS:  # one row and past 16: no choice here
+                    continue
                 for slot, (weight, packed) in enumerate(weights):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
                     best[name][index][slot] = min(best[name][index][slot], taken)
@@ -219,8 +233,8 @@ def _last_level_cache() -> int:
 def _time(name: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> float:
     """Seconds `name` takes to multiply `x` by `weight` (`packed`: oneDNN's copy of it)."""
     begun = time.perf_counter()
-    if name == "rows":
-        torch.ops.hf_eagle31_rows.linear(x, [weight], None)
+    if name in KERNEL:
+        torch.ops.hf_eagle31_rows.linear(x, [weight], None, -1 if name == "rows_near" else 0)
     elif name == "onednn":
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     else:

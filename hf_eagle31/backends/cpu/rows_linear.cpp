@@ -9,7 +9,11 @@
 // hardware prefetcher alone leaves the memory idle during the multiplications. Into L2, not L1, and 16 rows
 // ahead: prefetched weights then do not evict the input rows from L1. One input row (a decoding step) reads the weight
 // rows one after another instead, a single stream the hardware prefetcher follows, with a light prefetch further
-// ahead: W rows read side by side are W short streams it barely catches (4-12% slower on an AMD EPYC).
+// ahead: W rows read side by side are W short streams it barely catches (4-12% slower on an AMD EPYC). `near`, a
+// bit per row count (bit r - 1 for r rows, a group's count past 16 rows), also prefetches each weight row a few lines
+// ahead into L1: where many input rows make a block compute long on each line, loads then wait less (8-16 rows 5-20%
+// faster on an AMD EPYC, 2-6 rows within a few percent either way); which counts take it is measured on the machine
+// (routes.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +24,7 @@ namespace {
 constexpr int C = 12;      // weight rows a parallel block: a multiple of every W below
 constexpr int AHEAD = 16;  // weight rows prefetched (into L2) ahead of those multiplied
 constexpr int STREAM_AHEAD = 16384;  // bytes one input row's stream prefetches ahead (8-32 KB measured alike)
+constexpr int NEAR = 64;   // elements of a weight row prefetched into L1 ahead of those multiplied, with `near`
 
 // One element type's vectors: how many elements a 512-bit load holds, and the multiply-add into 16 fp32 sums.
 struct F32 {
@@ -42,7 +47,7 @@ struct BF16 {  // pairs of bf16 products summed into each fp32 lane (vdpbf16ps)
 };
 #endif
 
-template <class E, int R, int W, bool TAIL, bool PREFETCH>
+template <class E, int R, int W, bool TAIL, bool PREFETCH, bool L1>
 inline void step(const typename E::T* x, int64_t K, const typename E::T* w, int64_t k, int64_t tail,
                  __m512 (&acc)[R][W]) {
   typename E::V wv[W];
@@ -50,6 +55,7 @@ inline void step(const typename E::T* x, int64_t K, const typename E::T* w, int6
   for (int c = 0; c < W; ++c) {
     wv[c] = TAIL ? E::load_tail(w + c * K + k, tail) : E::load(w + c * K + k);
     if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + (c + AHEAD) * K + k), _MM_HINT_T1);
+    if (PREFETCH && L1) _mm_prefetch(reinterpret_cast<const char*>(w + c * K + k + NEAR), _MM_HINT_T0);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -60,7 +66,7 @@ inline void step(const typename E::T* x, int64_t K, const typename E::T* w, int6
 }
 
 // R input rows against W weight rows over all K: out[r, c] = sum + bias[c], rounded once to the output's type.
-template <class E, int R, int W, bool PREFETCH, class O>
+template <class E, int R, int W, bool PREFETCH, bool L1, class O>
 inline void block(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, O* out,
                   int64_t ldo) {
   __m512 acc[R][W];
@@ -69,8 +75,8 @@ inline void block(const typename E::T* x, int64_t K, const typename E::T* w, con
 #pragma GCC unroll 4
     for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + E::LANES <= K; k += E::LANES) step<E, R, W, false, PREFETCH>(x, K, w, k, 0, acc);
-  if (k < K) step<E, R, W, true, PREFETCH>(x, K, w, k, K - k, acc);
+  for (; k + E::LANES <= K; k += E::LANES) step<E, R, W, false, PREFETCH, L1>(x, K, w, k, 0, acc);
+  if (k < K) step<E, R, W, true, PREFETCH, L1>(x, K, w, k, K - k, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
@@ -99,53 +105,63 @@ void stream_rows(const typename E::T* x, int64_t K, const typename E::T* w, cons
 
 // `n` weight rows against R <= 8 input rows (A), or against A and then B more, W weight rows at a time: the second
 // group reads the same W rows again, from L1.
-template <class E, int A, int B, class O>
+template <class E, int A, int B, bool L1, class O>
 void rows_of(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
              int64_t ldo) {
   constexpr int W = A + B <= 6 ? 4 : 3;
   int64_t row = 0;
   for (; row + W <= n; row += W) {
-    block<E, A, W, true>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
+    block<E, A, W, true, L1>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
     if constexpr (B > 0)
-      block<E, B, W, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
+      block<E, B, W, false, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
   }
   for (; row < n; ++row) {
-    block<E, A, 1, true>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
+    block<E, A, 1, true, L1>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
     if constexpr (B > 0)
-      block<E, B, 1, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
+      block<E, B, 1, false, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
   }
 }
 
-// `n` weight rows against every input row, 16 input rows at a time (more rows read the weights again).
+// `n` weight rows against a group of 1-16 input rows, with or without `near`'s prefetch (L1).
+template <class E, bool L1, class O>
+void group(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
+           int64_t ldo) {
+  switch (M) {
+    case 1: stream_rows<E>(x, K, w, bias, n, out); break;
+    case 2: rows_of<E, 2, 0, L1>(x, K, w, bias, n, out, ldo); break;
+    case 3: rows_of<E, 3, 0, L1>(x, K, w, bias, n, out, ldo); break;
+    case 4: rows_of<E, 4, 0, L1>(x, K, w, bias, n, out, ldo); break;
+    case 5: rows_of<E, 5, 0, L1>(x, K, w, bias, n, out, ldo); break;
+    case 6: rows_of<E, 6, 0, L1>(x, K, w, bias, n, out, ldo); break;
+    case 7: rows_of<E, 7, 0, L1>(x, K, w, bias, n, out, ldo); break;
+    case 8: rows_of<E, 8, 0, L1>(x, K, w, bias, n, out, ldo); break;
+    case 9: rows_of<E, 5, 4, L1>(x, K, w, bias, n, out, ldo); break;
+    case 10: rows_of<E, 5, 5, L1>(x, K, w, bias, n, out, ldo); break;
+    case 11: rows_of<E, 6, 5, L1>(x, K, w, bias, n, out, ldo); break;
+    case 12: rows_of<E, 6, 6, L1>(x, K, w, bias, n, out, ldo); break;
+    case 13: rows_of<E, 7, 6, L1>(x, K, w, bias, n, out, ldo); break;
+    case 14: rows_of<E, 7, 7, L1>(x, K, w, bias, n, out, ldo); break;
+    case 15: rows_of<E, 8, 7, L1>(x, K, w, bias, n, out, ldo); break;
+    default: rows_of<E, 8, 8, L1>(x, K, w, bias, n, out, ldo); break;
+  }
+}
+
+// `n` weight rows against every input row, 16 input rows at a time (more rows read the weights again); a group of
+// r rows prefetches into L1 where bit r - 1 of `near` is set.
 template <class E, class O>
 void rows(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
-          int64_t ldo) {
+          int64_t ldo, int64_t near) {
   for (int64_t m = 0; m < M; m += 16) {
-    const typename E::T* xm = x + m * K;
-    O* om = out + m * ldo;
-    switch (std::min<int64_t>(16, M - m)) {
-      case 1: stream_rows<E>(xm, K, w, bias, n, om); break;
-      case 2: rows_of<E, 2, 0>(xm, K, w, bias, n, om, ldo); break;
-      case 3: rows_of<E, 3, 0>(xm, K, w, bias, n, om, ldo); break;
-      case 4: rows_of<E, 4, 0>(xm, K, w, bias, n, om, ldo); break;
-      case 5: rows_of<E, 5, 0>(xm, K, w, bias, n, om, ldo); break;
-      case 6: rows_of<E, 6, 0>(xm, K, w, bias, n, om, ldo); break;
-      case 7: rows_of<E, 7, 0>(xm, K, w, bias, n, om, ldo); break;
-      case 8: rows_of<E, 8, 0>(xm, K, w, bias, n, om, ldo); break;
-      case 9: rows_of<E, 5, 4>(xm, K, w, bias, n, om, ldo); break;
-      case 10: rows_of<E, 5, 5>(xm, K, w, bias, n, om, ldo); break;
-      case 11: rows_of<E, 6, 5>(xm, K, w, bias, n, om, ldo); break;
-      case 12: rows_of<E, 6, 6>(xm, K, w, bias, n, om, ldo); break;
-      case 13: rows_of<E, 7, 6>(xm, K, w, bias, n, om, ldo); break;
-      case 14: rows_of<E, 7, 7>(xm, K, w, bias, n, om, ldo); break;
-      case 15: rows_of<E, 8, 7>(xm, K, w, bias, n, om, ldo); break;
-      default: rows_of<E, 8, 8>(xm, K, w, bias, n, om, ldo); break;
-    }
+    const int64_t count = std::min<int64_t>(16, M - m);
+    if ((near >> (count - 1)) & 1)
+      group<E, true>(x + m * K, count, K, w, bias, n, out + m * ldo, ldo);
+    else
+      group<E, false>(x + m * K, count, K, w, bias, n, out + m * ldo, ldo);
   }
 }
 
 template <class E>
-void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out) {
+void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t near) {
   using T = typename E::T;
   using O = typename E::T;  // the output in the input's type, as torch's product gives it
   const int64_t M = x2.size(0), K = x2.size(1), N = out.size(1);
@@ -158,9 +174,11 @@ void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias
     const float* bc = bias ? bias + column : nullptr;
     O* oc = op + column;
     at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
-      rows<E>(xp, M, K, wp + begin * C * K, bc ? bc + begin * C : nullptr, (end - begin) * C, oc + begin * C, N);
+      rows<E>(xp, M, K, wp + begin * C * K, bc ? bc + begin * C : nullptr, (end - begin) * C, oc + begin * C, N,
+              near);
     });
-    rows<E>(xp, M, K, wp + blocks * C * K, bc ? bc + blocks * C : nullptr, n - blocks * C, oc + blocks * C, N);
+    rows<E>(xp, M, K, wp + blocks * C * K, bc ? bc + blocks * C : nullptr, n - blocks * C, oc + blocks * C, N,
+            near);
     column += n;
   }
 }
@@ -173,8 +191,10 @@ bool bf16_kernel() {
 #endif
 }
 
-// x [..., K] times each weight [N_i, K], side by side in the output's last dimension, plus bias [sum N_i].
-at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias) {
+// x [..., K] times each weight [N_i, K], side by side in the output's last dimension, plus bias [sum N_i]; `near`:
+// the row counts whose groups also prefetch into L1 (bit r - 1 for r rows), the same sums either way.
+at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias,
+                       int64_t near) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && bf16_kernel()), "rows_linear: fp32 input expected",
               bf16_kernel() ? " (or bf16)" : "", ", got ", dtype);
@@ -193,9 +213,9 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
   }
   at::Tensor out = at::empty({M, N}, x2.options());
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
-  if (dtype == at::kFloat) linear_into<F32>(x2, weights, bp, out);
+  if (dtype == at::kFloat) linear_into<F32>(x2, weights, bp, out, near);
 #ifdef __AVX512BF16__
-  else linear_into<BF16>(x2, weights, bp, out);
+  else linear_into<BF16>(x2, weights, bp, out, near);
 #endif
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
@@ -203,7 +223,8 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
 }
 
 // The output's shape and type, not its values: what torch.compile traces a graph with (sizes may be symbolic).
-at::Tensor rows_linear_shape(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias) {
+at::Tensor rows_linear_shape(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias,
+                             int64_t) {
   std::vector<c10::SymInt> shape = x.sym_sizes().vec();
   shape.back() = 0;
   for (const auto& w : weights) shape.back() = shape.back() + w.sym_size(0);
@@ -213,7 +234,7 @@ at::Tensor rows_linear_shape(const at::Tensor& x, at::TensorList weights, const 
 }  // namespace
 
 TORCH_LIBRARY(hf_eagle31_rows, m) {
-  m.def("linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor x, Tensor[] weights, Tensor? bias, int near=0) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(rows_linear));
   m.impl("linear", c10::DispatchKey::Meta, TORCH_FN(rows_linear_shape));
   m.def("bf16() -> bool", [] { return bf16_kernel(); });
