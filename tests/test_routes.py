@@ -124,18 +124,18 @@ def test_a_kept_file_that_never_timed_the_l1_prefetch_is_measured_again(tmp_path
 
 
 def test_the_kernels_l1_prefetch_serves_the_row_counts_it_was_measured_faster_at(monkeypatch, small_stream):
-    """The prefetch made 8-16 rows 5-20% faster on an AMD EPYC and 2-6 rows up to 3% slower: a choice per row count,
-    measured, which the kernel takes as a bit per count (`routes.near`). One row and blocks past 16 are not timed with
-    it (one row never prefetches so; a longer block's groups take their counts' bits)."""
+    """The prefetch made 1 and 8-16 rows faster on an AMD EPYC and 2-6 rows up to 3% slower: a choice per row count,
+    measured, which the kernel takes as a bit per count (`routes.near`). Blocks past 16 rows are not timed with it
+    (their groups of up to 16 take their counts' bits)."""
     monkeypatch.setattr(routes, "available", lambda dtype: ("rows", "rows_near", "torch"))
     timed = []
-    timer = fake_timer({1: "rows", 2: "rows", 8: "rows_near", 16: "rows_near", 32: "rows_near"})
+    timer = fake_timer({1: "rows_near", 2: "rows", 8: "rows_near", 16: "rows_near", 32: "rows_near"})
     monkeypatch.setattr(routes, "_time", lambda name, x, *args: timed.append((name, x.shape[0])) or timer(name, x, *args))
     chosen = routes.routes(torch.float32)
-    assert chosen[:2] == ("rows", "rows") and chosen[7] == chosen[15] == "rows_near" and chosen[16] != "rows_near"
-    assert routes.near(torch.float32) == (1 << 7) | (1 << 15)
+    assert chosen[:2] == ("rows_near", "rows") and chosen[7] == chosen[15] == "rows_near" and chosen[16] != "rows_near"
+    assert routes.near(torch.float32) == 1 | (1 << 7) | (1 << 15)
     assert routes.on_kernel(8, torch.float32) and not routes.on_kernel(3, torch.float32)
-    assert {count for name, count in timed if name == "rows_near"} == set(range(2, MAX_ROWS + 1))
+    assert {count for name, count in timed if name == "rows_near"} == set(range(1, MAX_ROWS + 1))
 
 
 def test_only_a_row_count_measured_fastest_on_onednn_makes_its_copy(monkeypatch):

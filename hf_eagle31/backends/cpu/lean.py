@@ -299,7 +299,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 # the products on the rows kernel: one graph for one-token steps, one for every block size
                 direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype)
-                x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype) if n > 1 else 0)
+                x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype))
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "
                                f"fast_decoding's compile_step=True: {type(error).__name__}); install a C++ compiler "

@@ -3,8 +3,8 @@
 Why: which of the rows kernel (rows.py), torch's product (MKL) and oneDNN's product over its reordered copy of the
 weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at
 a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does
-whether the kernel's blocks also prefetch into L1 (its `near`: faster at 8-16 rows on an AMD EPYC, 2-6 within a few
-percent either way), measured as a fourth implementation ("rows_near") at 2-16 rows. The first
+whether the kernel also prefetches into L1 (its `near`: faster at 1 and 8-16 rows on an AMD EPYC, 2-6 within a few
+percent either way), measured as a fourth implementation ("rows_near") at 1-16 rows. The first
 process that needs a dtype's routes times every implementation at every row count on a stream of weights larger
 than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
 build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
@@ -194,7 +194,7 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
     for _ in range(REPEATS):
         for index in range(len(COUNTS)):
             for name in candidates:
-                if name == "rows_near" and not 1 < COUNTS[index] <= MAX_ROWS:  # one row and past 16: no choice here
+                if name == "rows_near" and COUNTS[index] > MAX_ROWS:  # past 16 rows, groups take their counts' bits
                     continue
                 for slot, (weight, packed) in enumerate(weights):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)

@@ -10,10 +10,9 @@
 // ahead: prefetched weights then do not evict the input rows from L1. One input row (a decoding step) reads the weight
 // rows one after another instead, a single stream the hardware prefetcher follows, with a light prefetch further
 // ahead: W rows read side by side are W short streams it barely catches (4-12% slower on an AMD EPYC). `near`, a
-// bit per row count (bit r - 1 for r rows, a group's count past 16 rows), also prefetches each weight row a few lines
-// ahead into L1: where many input rows make a block compute long on each line, loads then wait less (8-16 rows 5-20%
-// faster on an AMD EPYC, 2-6 rows within a few percent either way); which counts take it is measured on the machine
-// (routes.py).
+// bit per row count (bit r - 1 for r rows, a group's count past 16 rows), also prefetches the weights a few lines
+// ahead into L1, so that loads wait less: on an AMD EPYC one row 3-7% and 8-16 rows 5-20% faster, 2-6 rows within a
+// few percent either way; which counts take it is measured on the machine (routes.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,6 +24,7 @@ constexpr int C = 12;      // weight rows a parallel block: a multiple of every 
 constexpr int AHEAD = 16;  // weight rows prefetched (into L2) ahead of those multiplied
 constexpr int STREAM_AHEAD = 16384;  // bytes one input row's stream prefetches ahead (8-32 KB measured alike)
 constexpr int NEAR = 64;   // elements of a weight row prefetched into L1 ahead of those multiplied, with `near`
+constexpr int STREAM_NEAR = 1024;  // bytes one input row's stream prefetches into L1 ahead, with `near`
 
 // One element type's vectors: how many elements a 512-bit load holds, and the multiply-add into 16 fp32 sums.
 struct F32 {
@@ -85,8 +85,9 @@ inline void block(const typename E::T* x, int64_t K, const typename E::T* w, con
 }
 
 // One input row against `n` weight rows read one after another; each output summed in the order `block` sums it,
-// so both give the same bits. One weight line in four prefetched: the hardware prefetcher fetches the rest.
-template <class E, class O>
+// so both give the same bits. One weight line in four prefetched into L2: the hardware prefetcher fetches the rest;
+// with `near` (L1) every line also into L1, a little ahead.
+template <class E, bool L1, class O>
 void stream_rows(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out) {
   constexpr int L = E::LANES;
   for (int64_t row = 0; row < n; ++row, w += K) {
@@ -94,6 +95,11 @@ void stream_rows(const typename E::T* x, int64_t K, const typename E::T* w, cons
     int64_t k = 0;
     for (; k + 4 * L <= K; k += 4 * L) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k) + STREAM_AHEAD, _MM_HINT_T1);
+      if (L1) {
+        const char* next = reinterpret_cast<const char*>(w + k + 4 * L) + STREAM_NEAR;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4 * L * int(sizeof(typename E::T)); j += 64) _mm_prefetch(next + j, _MM_HINT_T0);
+      }
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc = E::fma(acc, E::load(x + k + j * L), E::load(w + k + j * L));
     }
@@ -127,7 +133,7 @@ template <class E, bool L1, class O>
 void group(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
            int64_t ldo) {
   switch (M) {
-    case 1: stream_rows<E>(x, K, w, bias, n, out); break;
+    case 1: stream_rows<E, L1>(x, K, w, bias, n, out); break;
     case 2: rows_of<E, 2, 0, L1>(x, K, w, bias, n, out, ldo); break;
     case 3: rows_of<E, 3, 0, L1>(x, K, w, bias, n, out, ldo); break;
     case 4: rows_of<E, 4, 0, L1>(x, K, w, bias, n, out, ldo); break;
