@@ -185,7 +185,7 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
 
 
 def _product(key: int, x: torch.Tensor, out_features: int, linears: tuple[nn.Linear, ...],
-             direct: bool, near: int = 0) -> torch.Tensor:
+             direct: bool, near: int) -> torch.Tensor:
     """The product under `key` of the layers `linears`. `direct`, in a compiled graph whose rows the rows kernel
     serves (a one-token step's count, `routes.on_kernel`; a block's, any count, `routes.serves_every_count`): the
     kernel itself on the layers' weights and biases, which are the product's (`fits`), the same call

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -78,7 +79,13 @@ def on_kernel(count: int, dtype: torch.dtype) -> bool:
 def near(dtype: torch.dtype) -> int:
     """The kernel's `near` in `dtype`: a bit for each row count of 1-16 (bit r - 1 for r rows) measured faster with the
     L1 prefetch; the kernel applies it to every group of rows it multiplies, a block's past 16 rows included."""
-    return sum(1 << index for index, how in enumerate(routes(dtype)[:MAX_ROWS]) if how == "rows_near")
+    return _near_bits(routes(dtype))
+
+
+@functools.cache
+def _near_bits(chosen: tuple[str, ...]) -> int:
+    """`near` of one set of routes, worked out once: `linear` asks at every product."""
+    return sum(1 << index for index, how in enumerate(chosen[:MAX_ROWS]) if how == "rows_near")
 
 
 def serves_every_count(dtype: torch.dtype) -> bool:
