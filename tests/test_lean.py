@@ -227,6 +227,29 @@ def test_fast_decoding_compiles_its_one_token_steps_and_decodes_as_plain_greedy(
     assert torch.equal(out, gpt2.generate(PROMPTS[:1, :4], do_sample=False, max_new_tokens=8))
 
 
+def test_a_compiled_step_multiplies_by_the_weights_the_model_holds_at_each_call():
+    """The compiled graph names its products by key and the rows library holds their weights (`hold_weights`), once
+    a call: a weight replaced or edited between calls is the one the next call multiplies by (fp32, plain greedy's
+    output after each edit), and the graph is not compiled again."""
+    if not routes.on_kernel(1, torch.float32):
+        pytest.skip("the rows kernel does not multiply one fp32 row on this machine")
+    target = make_target("qwen2")  # biases too
+    step = dict(do_sample=False, max_new_tokens=12)
+    fast = dict(custom_generate=hf_eagle31.fast_decoding, compile_step=True)
+    assert torch.equal(target.generate(PROMPTS[:1, :4], **step, **fast), target.generate(PROMPTS[:1, :4], **step))
+    layer, noise = target.model.layers[1], lambda tensor: torch.randn_like(tensor) * 0.5
+    torch.manual_seed(0)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        down, v, q = layer.mlp.down_proj, layer.self_attn.v_proj, layer.self_attn.q_proj
+        for edit in (lambda: setattr(down, "weight", torch.nn.Parameter(noise(down.weight))),  # replaced
+                     lambda: v.bias.add_(noise(v.bias)), lambda: q.weight.add_(noise(q.weight))):  # in place
+            before = target.generate(PROMPTS[:1, :4], **step)
+            edit()
+            plain = target.generate(PROMPTS[:1, :4], **step)
+            assert not torch.equal(plain, before)
+            assert torch.equal(target.generate(PROMPTS[:1, :4], **step, **fast), plain)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2: q/k/v biases, added by the kernel
 def test_a_compiled_one_token_step_runs_on_the_rows_kernel_without_calling_back_into_python(monkeypatch, arch):
     """Where the rows kernel serves one row, fast_decoding's compiled step calls it from the graph on the layers' own
@@ -277,7 +300,7 @@ def test_a_compiled_verify_block_runs_on_the_rows_kernel_without_calling_back_in
     assert torch.equal(eagle, plain)
     assert not any(event.name == "hf_eagle31::packed_linear" for event in profile.events())
     multiplied = [math.prod(event.input_shapes[0][:-1]) for event in profile.events()
-                  if event.name == "hf_eagle31_rows::linear" and event.input_shapes and event.input_shapes[0]]
+                  if event.name == "hf_eagle31_rows::product" and event.input_shapes and event.input_shapes[0]]
     assert max(multiplied) > MAX_ROWS  # a block of the batch past the measured row counts went to the kernel
 
 

@@ -79,6 +79,31 @@ def test_the_kernel_refuses_what_it_cannot_multiply():
 
 
 @needs_kernel
+def test_a_product_held_under_a_key_is_the_product_of_the_weights_held_there():
+    """`product` multiplies by the weights and bias `hold` put under a key, as `linear` on them does; the weights are
+    held weakly (freed with their owner, then refused by name), a key held again takes the new weights, and a key
+    never held is refused."""
+    ops, x = torch.ops.hf_eagle31_rows, torch.randn(2, 3, 24)
+    weights, bias = [torch.randn(5, 24), torch.randn(7, 24)], torch.randn(12)
+    lone = torch.randn(4, 24)
+    ops.hold([9001, 9002], [2, 1], [*weights, lone], [bias, None])
+    assert torch.equal(ops.product(x, 9001, 12, 0), ops.linear(x, weights, bias, 0))
+    assert torch.equal(ops.product(x, 9002, 4, 0), ops.linear(x, [lone], None, 0))
+    weights[0].mul_(2.0)  # in place: the same tensor, seen
+    assert torch.equal(ops.product(x, 9001, 12, 0), ops.linear(x, weights, bias, 0))
+    with pytest.raises(RuntimeError, match="key 9001 give 12 features, not 13"):
+        ops.product(x, 9001, 13, 0)
+    del lone
+    with pytest.raises(RuntimeError, match="weights held under key 9002 were freed"):
+        ops.product(x, 9002, 4, 0)
+    other = torch.randn(6, 24)
+    ops.hold([9002], [1], [other], [None])
+    assert torch.equal(ops.product(x, 9002, 6, 0), ops.linear(x, [other], None, 0))
+    with pytest.raises(RuntimeError, match="no weights held under key 9003"):
+        ops.product(x, 9003, 4, 0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 read by shifts: any AVX-512 CPU
 @pytest.mark.parametrize("keys", [1, 7, 16, 300, 1027])  # one key, a partial vector, whole vectors, longer caches
 @pytest.mark.parametrize("head_dim", [64, 128, 48])

@@ -114,13 +114,35 @@ def fits_step(cache: Cache, plan) -> bool:
         all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
 
 
+def _product_members(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """Each layer's four products (q/k/v, o, gate/up, down), in order, as the linear layers in each."""
+    return [members for layer in model.layers[: model.config.num_hidden_layers]
+            for attention, mlp in [(layer.self_attn, layer.mlp)]
+            for members in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
+                            (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))]
+
+
 @torch.compiler.assume_constant_result  # traced, a constant of the graph (the graph is guarded on the modules' ids)
 def product_keys(model: nn.Module) -> list[int]:
-    """Each layer's four products (q/k/v, o, gate/up, down), in order, as `products.packed_product`'s keys:
-    what `_decoder` multiplies by. A key is the first member's `product_key` (`fits` checked that each projection leads
-    its product), the same at every packing, so that traced once it is a constant of the compiled graph."""
-    return [product_key(linear) for layer in model.layers[: model.config.num_hidden_layers]
-            for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
+    """Each layer's four products, in order, as `products.packed_product`'s keys: what `_decoder` multiplies by. A
+    key is the first member's `product_key` (`fits` checked that each projection leads its product), the same at
+    every packing, so that traced once it is a constant of the compiled graph."""
+    return [product_key(members[0]) for members in _product_members(model)]
+
+
+def hold_weights(model: nn.Module) -> None:
+    """Hand the rows library each product's weights and bias under its key, for a compiled graph that multiplies on
+    the kernel (`_product`'s `direct`): done at every call, so a weight replaced between calls is the one used.
+
+    Why: the graph then names each product by its key, a constant, instead of taking its weights as inputs, and
+    inductor's entry into a graph gathers and checks every input at every call: 0.5 ms of a compiled SmolLM2 step
+    less (its ~210 weights of ~340 inputs; docs/benchmarks.md). The library holds the weights weakly: a model deleted
+    is freed."""
+    members = _product_members(model)
+    torch.ops.hf_eagle31_rows.hold([product_key(linears[0]) for linears in members],
+                                   [len(linears) for linears in members],
+                                   [linear.weight for linears in members for linear in linears],
+                                   [stacked_bias(tuple(linear.bias for linear in linears)) for linears in members])
 
 
 class CacheRoom:
@@ -142,6 +164,7 @@ class CacheRoom:
 
     def __init__(self, products: list[int], compiled: bool = False):
         self.products, self.compiled = products, compiled
+        self.held = False  # the rows library holds the weights for this call (`hold_weights`)
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
 
     def reserve(self, cache: Cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
@@ -184,18 +207,15 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
     return CacheRoom(product_keys(target.model), compiled) if fits(target, products) else None
 
 
-def _product(key: int, x: torch.Tensor, out_features: int, linears: tuple[nn.Linear, ...],
-             direct: bool, near: int) -> torch.Tensor:
-    """The product under `key` of the layers `linears`. `direct`, in a compiled graph whose rows the rows kernel
-    serves (a one-token step's count, `routes.on_kernel`; a block's, any count, `routes.serves_every_count`): the
-    kernel itself on the layers' weights and biases, which are the product's (`fits`), the same call
-    `Product.whole` makes (`near`: the row counts it prefetches into L1 for, `routes.near`); the graph calls it through
-    the dispatcher, where `packed_product` calls back into Python at every product (a noticeable share of a step:
-    docs/benchmarks.md)."""
+def _product(key: int, x: torch.Tensor, out_features: int, direct: bool, near: int) -> torch.Tensor:
+    """The product under `key`. `direct`, in a compiled graph whose rows the rows kernel serves (a one-token step's
+    count, `routes.on_kernel`; a block's, any count, `routes.serves_every_count`): the kernel itself on the weights
+    and bias the rows library holds under the key (`hold_weights`), the same call `Product.whole` makes (`near`: the
+    row counts it prefetches into L1 for, `routes.near`); the graph calls it through the dispatcher, where
+    `packed_product` calls back into Python at every product (a noticeable share of a step: docs/benchmarks.md)."""
     if not direct:
         return packed_product(key, x, out_features)
-    bias = stacked_bias(tuple(linear.bias for linear in linears))
-    return torch.ops.hf_eagle31_rows.linear(x, [linear.weight for linear in linears], bias, near)
+    return torch.ops.hf_eagle31_rows.product(x, key, out_features, near)
 
 
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
@@ -206,8 +226,7 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tens
     # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
-    heads = _product(qkv, x, (queries + 2 * kv) * size, (attention.q_proj, attention.k_proj, attention.v_proj),
-                     direct, near).view(*x.shape[:-1], -1, size)
+    heads = _product(qkv, x, (queries + 2 * kv) * size, direct, near).view(*x.shape[:-1], -1, size)
     turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
     keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
@@ -218,14 +237,13 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tens
     # most of a one-row call setting up blocks of many; a block's rows it computes no faster)
     attend = torch.ops.hf_eagle31_rows.attention if direct and x.shape[1] == 1 and rows.attends(size) else None
     out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling, attend)
-    return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, (attention.o_proj,), direct,
-                    near)
+    return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, direct, near)
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool, near: int) -> torch.Tensor:
     width = mlp.intermediate_size
-    gate, up = _product(gate_up, x, 2 * width, (mlp.gate_proj, mlp.up_proj), direct, near).split(width, dim=-1)
-    return _product(down, mlp.act_fn(gate) * up, mlp.hidden_size, (mlp.down_proj,), direct, near)
+    gate, up = _product(gate_up, x, 2 * width, direct, near).split(width, dim=-1)
+    return _product(down, mlp.act_fn(gate) * up, mlp.hidden_size, direct, near)
 
 
 def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -299,6 +317,9 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 # the products on the rows kernel: one graph for one-token steps, one for every block size
                 direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype)
+                if direct and not room.held:
+                    hold_weights(model)
+                    room.held = True
                 x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype))
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "

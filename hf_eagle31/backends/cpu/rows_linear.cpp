@@ -18,6 +18,9 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <mutex>
+#include <unordered_map>
+
 namespace {
 
 constexpr int C = 12;      // weight rows a parallel block: a multiple of every W below
@@ -228,6 +231,68 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
   return out.view(shape);
 }
 
+// The weights a compiled graph multiplies by, held under each product's key (products.py's `product_key`), so that
+// the graph names a product by its key instead of taking every weight as an input: inductor's entry into a graph
+// gathered and checked each of its inputs, about 2 us apiece (lean.py: `hold_weights`). The weights are held weakly
+// (a model deleted frees them; its entries are dropped at the next `hold`), a bias strongly (a product's stacked bias
+// is a copy only the entry owns).
+struct Held {
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> weights;
+  c10::optional<at::Tensor> bias;
+  bool expired() const {
+    for (const auto& w : weights)
+      if (w.expired()) return true;
+    return false;
+  }
+};
+std::mutex held_lock;
+std::unordered_map<int64_t, Held> held;
+
+// Hold, under keys[i], the next counts[i] of `weights` and biases[i]; entries whose weights were freed are dropped.
+void hold(at::IntArrayRef keys, at::IntArrayRef counts, at::TensorList weights,
+          const c10::List<c10::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(keys.size() == counts.size() && keys.size() == biases.size(), "hold: a count and a bias for each key");
+  std::lock_guard<std::mutex> lock(held_lock);
+  for (auto entry = held.begin(); entry != held.end();) entry = entry->second.expired() ? held.erase(entry) : ++entry;
+  size_t next = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    Held entry;
+    for (int64_t j = 0; j < counts[i]; ++j, ++next) {
+      TORCH_CHECK(next < weights.size(), "hold: fewer weights than the counts add up to");
+      entry.weights.emplace_back(weights[next].getIntrusivePtr());
+    }
+    entry.bias = biases.get(i);
+    held[keys[i]] = std::move(entry);
+  }
+}
+
+// x times the weights held under `key` (`hold`), plus their bias: `linear` on them.
+at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64_t near) {
+  std::vector<at::Tensor> weights;
+  c10::optional<at::Tensor> bias;
+  {
+    std::lock_guard<std::mutex> lock(held_lock);
+    const auto entry = held.find(key);
+    TORCH_CHECK(entry != held.end(), "hf_eagle31_rows::product: no weights held under key ", key);
+    for (const auto& w : entry->second.weights) {
+      auto strong = w.lock();
+      TORCH_CHECK(strong, "hf_eagle31_rows::product: the weights held under key ", key, " were freed");
+      weights.emplace_back(std::move(strong));
+    }
+    bias = entry->second.bias;
+  }
+  at::Tensor out = rows_linear(x, weights, bias, near);
+  TORCH_CHECK(out.size(-1) == out_features, "hf_eagle31_rows::product: the weights held under key ", key, " give ",
+              out.size(-1), " features, not ", out_features);
+  return out;
+}
+
+at::Tensor product_shape(const at::Tensor& x, int64_t, int64_t out_features, int64_t) {
+  std::vector<c10::SymInt> shape = x.sym_sizes().vec();
+  shape.back() = out_features;
+  return at::empty_symint(shape, x.options());
+}
+
 // The output's shape and type, not its values: what torch.compile traces a graph with (sizes may be symbolic).
 at::Tensor rows_linear_shape(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias,
                              int64_t) {
@@ -244,4 +309,8 @@ TORCH_LIBRARY(hf_eagle31_rows, m) {
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(rows_linear));
   m.impl("linear", c10::DispatchKey::Meta, TORCH_FN(rows_linear_shape));
   m.def("bf16() -> bool", [] { return bf16_kernel(); });
+  m.def("hold(int[] keys, int[] counts, Tensor[] weights, Tensor?[] biases) -> ()", hold);
+  m.def("product(Tensor x, int key, int out_features, int near) -> Tensor");
+  m.impl("product", c10::DispatchKey::CPU, TORCH_FN(product));
+  m.impl("product", c10::DispatchKey::Meta, TORCH_FN(product_shape));
 }
