@@ -266,7 +266,7 @@ def test_a_compiled_one_token_step_runs_on_the_rows_kernel_without_calling_back_
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         fast = target.generate(PROMPTS[:1, :4], **step)
     assert torch.equal(fast, plain) and not calls
-    attended = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::attention", 0)
+    attended = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::attention_in_room", 0)
     assert attended == 15 * target.config.num_hidden_layers  # every step after the prefill's first token
 
 
@@ -282,7 +282,7 @@ def test_a_compiled_one_token_step_masks_a_batchs_pads_as_plain_greedy_does():
         fast = target.generate(**batch, do_sample=False, max_new_tokens=12, pad_token_id=0,
                                custom_generate=hf_eagle31.fast_decoding, compile_step=True)
     assert torch.equal(fast, plain)
-    assert any(event.key == "hf_eagle31_rows::attention" for event in profile.key_averages())
+    assert any(event.key == "hf_eagle31_rows::attention_in_room" for event in profile.key_averages())
 
 
 def test_a_compiled_verify_block_runs_on_the_rows_kernel_without_calling_back_into_python():

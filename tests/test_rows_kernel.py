@@ -128,6 +128,32 @@ def test_the_kernels_attention_computes_torchs(keys, head_dim, dtype):
 
 
 @needs_kernel
+def test_attention_in_a_held_room_writes_the_new_keys_behind_the_cache_and_attends_over_all():
+    """`attention_in_room` writes a step's keys and values into the buffers `hold_room` holds for the layer, behind
+    the `length` cached, and attends as `attention` over the cache and them; a room never held, freed buffers and a
+    step past the buffers' room are refused by name."""
+    torch.manual_seed(0)
+    ops, length = torch.ops.hf_eagle31_rows, 9
+    buffers = [(torch.randn(1, 3, 16, 64), torch.randn(1, 3, 16, 64)) for _ in range(2)]
+    cached = [(keys[:, :, :length].clone(), values[:, :, :length].clone()) for keys, values in buffers]
+    ops.hold_room(7001, [keys for keys, _ in buffers], [values for _, values in buffers])
+    query, new_keys, new_values = torch.randn(1, 3, 2, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64)
+    out = ops.attention_in_room(query, new_keys, new_values, 7001, 1, length, None, 0.125)
+    keys, values = (torch.cat([old, new], dim=2) for old, new in zip(cached[1], (new_keys, new_values)))
+    assert torch.equal(buffers[1][0][:, :, : length + 1], keys)
+    assert torch.equal(buffers[1][1][:, :, : length + 1], values)
+    assert torch.equal(buffers[0][0][:, :, :length], cached[0][0])  # the other layer untouched
+    assert torch.equal(out, ops.attention(query, keys, values, None, 0.125))
+    with pytest.raises(RuntimeError, match="no room for 1 more keys after 16"):
+        ops.attention_in_room(query, new_keys, new_values, 7001, 0, 16, None, 0.125)
+    with pytest.raises(RuntimeError, match="no buffers held for layer 0 of room 7002"):
+        ops.attention_in_room(query, new_keys, new_values, 7002, 0, length, None, 0.125)
+    del buffers
+    with pytest.raises(RuntimeError, match="the buffers of room 7001 were freed"):
+        ops.attention_in_room(query, new_keys, new_values, 7001, 0, length, None, 0.125)
+
+
+@needs_kernel
 def test_the_kernels_attention_refuses_what_it_cannot_compute():
     query, key = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 5, 64)
     with pytest.raises(RuntimeError, match="head dims of a multiple of 16"):

@@ -20,6 +20,7 @@ concatenation. With `compile_verify` (fast_decoding's `compile_step`) the layers
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -167,6 +168,7 @@ class CacheRoom:
         self.held = False  # the rows library holds the weights for this call (`hold_weights`)
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
         self.committed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what `commit` gave the layers
+        self.key, self.buffers_held = next(_ROOM_KEYS), False  # the rows library holds the buffers (`hold_buffers`)
 
     def reserve(self, cache: Cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
         """Every layer's keys and values `[B, H, length + n, D]` in its buffers, the cache at the front, and the
@@ -183,6 +185,7 @@ class CacheRoom:
                     front or _front_of(layer.keys, buffers[0]) and _front_of(layer.values, buffers[1])):
                 room = max(self.MIN_ROOM, length // 16) + n
                 buffers = self.buffers[index] = (_with_room(layer.keys, room), _with_room(layer.values, room))
+                self.buffers_held = False
             keys.append(buffers[0].narrow(2, 0, length + n))
             values.append(buffers[1].narrow(2, 0, length + n))
         return keys, values, length
@@ -192,6 +195,19 @@ class CacheRoom:
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
             layer.keys, layer.values = layer_keys, layer_values
         self.committed = keys, values
+
+    def hold_buffers(self) -> None:
+        """Hand the rows library every layer's buffers under this room's key, where it does not hold them yet: a
+        compiled one-token step then writes and attends there (`_attention`), its graph taking none of the cache's
+        views as inputs (60 for SmolLM2, each with a length of its own for inductor's entry to check and convert)."""
+        if not self.buffers_held:
+            layers = [self.buffers[index] for index in range(len(self.buffers))]
+            torch.ops.hf_eagle31_rows.hold_room(self.key, [keys for keys, _ in layers],
+                                                [values for _, values in layers])
+            self.buffers_held = True
+
+
+_ROOM_KEYS = itertools.count()
 
 
 def _front_of(entries: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -225,25 +241,32 @@ def _product(key: int, x: torch.Tensor, out_features: int, direct: bool, near: i
     return torch.ops.hf_eagle31_rows.product(x, key, out_features, near)
 
 
-def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
-               length: int, mask: torch.Tensor, rotate_half: Callable, qkv: int, o: int, direct: bool,
-               near: int) -> torch.Tensor:
+def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: tuple, length: int, mask: torch.Tensor,
+               rotate_half: Callable, qkv: int, o: int, direct: bool, near: int) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
     # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations);
-    # the new keys and values written into the room behind the cache (`CacheRoom.reserve`)
+    # the new keys and values written behind the cache: `cache`, the layer's keys and values in its room's buffers
+    # (`CacheRoom.reserve`), or, in a compiled one-token step on the rows kernel, the room's key and the layer's index
+    # (`CacheRoom.hold_buffers`: its library writes them there and attends)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
     heads = _product(qkv, x, (queries + 2 * kv) * size, direct, near).view(*x.shape[:-1], -1, size)
     turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
-    keys[:, :, length:] = turned[:, :, queries:].transpose(1, 2)
-    values[:, :, length:] = heads[:, :, queries + kv :].transpose(1, 2)
-    # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window); in a
-    # compiled one-token step on the rows kernel (`direct`), the same scores, softmax and weighted sum by its
-    # library's attention of a few rows where it takes the head size (rows_attention.cpp: SDPA's CPU kernel spends
-    # most of a one-row call setting up blocks of many; a block's rows it computes no faster)
-    attend = torch.ops.hf_eagle31_rows.attention if direct and x.shape[1] == 1 and rows.attends(size) else None
-    out = grouped_attention(turned[:, :, :queries].transpose(1, 2), keys, values, mask, attention.scaling, attend)
+    new_keys, new_values = turned[:, :, queries:].transpose(1, 2), heads[:, :, queries + kv :].transpose(1, 2)
+    query = turned[:, :, :queries].transpose(1, 2)
+    if isinstance(cache[0], int):
+        # its library's attention of a few rows (rows_attention.cpp: SDPA's CPU kernel spends most of a one-row call
+        # setting up blocks of many; a block's rows it computes no faster)
+        room, index = cache
+        out = grouped_attention(query, new_keys, new_values, mask, attention.scaling,
+                                lambda q, k, v, m, scale: torch.ops.hf_eagle31_rows.attention_in_room(
+                                    q, k, v, room, index, length, m, scale))
+    else:  # EAGLE's verify attention (`verification.tree_attention_forward`'s "batched" path, without a window)
+        keys, values = cache
+        keys[:, :, length:] = new_keys
+        values[:, :, length:] = new_values
+        out = grouped_attention(query, keys, values, mask, attention.scaling)
     return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, direct, near)
 
 
@@ -254,20 +277,22 @@ def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool,
 
 
 def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             keys: list[torch.Tensor], values: list[torch.Tensor], length: int, mask: torch.Tensor,
-             target_layer_ids: tuple[int, ...], direct: bool = False, near: int = 0
+             keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None, length: int, mask: torch.Tensor,
+             target_layer_ids: tuple[int, ...], direct: bool = False, near: int = 0, room: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
     `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants);
-    `direct`: traced, the rows kernel multiplies every product (`_product`, with `near`) and, in a one-token step, its
-    library attends (`_attention`)."""
+    `direct`: traced, the rows kernel multiplies every product (`_product`, with `near`); `room`, in a compiled
+    one-token step on it, instead of `keys` and `values`: the key under which the rows library holds the cache's
+    buffers, where it writes and attends (`_attention`)."""
     family, products = FAMILIES[type(model)], products or product_keys(model)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         qkv, o, gate_up, down = products[4 * index : 4 * index + 4]
         states[index] = x
-        x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, keys[index],
-                           values[index], length, mask, family.rotate_half, qkv, o, direct, near)
+        cache = (keys[index], values[index]) if room is None else (room, index)
+        x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, cache, length,
+                           mask, family.rotate_half, qkv, o, direct, near)
         x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down, direct, near)
     x = family.norm.forward(model.norm, x)
     states[model.config.num_hidden_layers] = x
@@ -327,7 +352,12 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
                 if direct and not room.held:
                     hold_weights(model)
                     room.held = True
-                x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype))
+                if direct and n == 1 and rows.attends(model.layers[0].self_attn.head_dim):  # the cache in the library
+                    room.hold_buffers()
+                    inputs = x, cos, sin, None, None, length, mask, tuple(target_layer_ids)
+                    x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype), room.key)
+                else:
+                    x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype))
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "
                                f"fast_decoding's compile_step=True: {type(error).__name__}); install a C++ compiler "

@@ -11,6 +11,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -135,6 +137,55 @@ at::Tensor rows_attention(const at::Tensor& query, const at::Tensor& key, const 
   return out;
 }
 
+// Each layer's key and value buffers of a call's cache room (lean.py's `CacheRoom`), held under the room's key, so
+// that a compiled one-token step writes and attends there instead of taking 60 cache views as inputs, each with a
+// length of its own for inductor's entry to check and convert. Held weakly: the room owns them.
+using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+std::mutex rooms_lock;
+std::unordered_map<int64_t, std::vector<std::pair<Weak, Weak>>> rooms;
+
+// Hold the room's layers' buffers, keys[i] and values[i] for layer i; rooms whose buffers were freed are dropped.
+void hold_room(int64_t room, at::TensorList keys, at::TensorList values) {
+  TORCH_CHECK(keys.size() == values.size(), "hold_room: a values buffer for each keys buffer");
+  std::lock_guard<std::mutex> lock(rooms_lock);
+  for (auto entry = rooms.begin(); entry != rooms.end();)
+    entry = entry->second.empty() || entry->second[0].first.expired() ? rooms.erase(entry) : ++entry;
+  std::vector<std::pair<Weak, Weak>> layers;
+  for (size_t i = 0; i < keys.size(); ++i) layers.emplace_back(keys[i].getIntrusivePtr(), values[i].getIntrusivePtr());
+  rooms[room] = std::move(layers);
+}
+
+// The new keys and values [B, G, n, D] written into the room's buffers of `layer` behind its `length` cached
+// entries, then `query`'s rows attending over all length + n (`rows_attention`).
+at::Tensor attention_in_room(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                             c10::SymInt room_key, int64_t layer, c10::SymInt cached,
+                             const c10::optional<at::Tensor>& mask, double scale) {
+  const int64_t room = room_key.expect_int(), length = cached.expect_int();
+  at::Tensor kb, vb;
+  {
+    std::lock_guard<std::mutex> lock(rooms_lock);
+    const auto entry = rooms.find(room);
+    TORCH_CHECK(entry != rooms.end() && layer < static_cast<int64_t>(entry->second.size()),
+                "hf_eagle31_rows::attention_in_room: no buffers held for layer ", layer, " of room ", room);
+    kb = at::Tensor(entry->second[layer].first.lock());
+    vb = at::Tensor(entry->second[layer].second.lock());
+  }
+  TORCH_CHECK(kb.defined() && vb.defined(), "hf_eagle31_rows::attention_in_room: the buffers of room ", room,
+              " were freed");
+  const int64_t n = keys.size(2);
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.dim() == 4 && kb.dim() == 4 && length + n <= kb.size(2),
+              "hf_eagle31_rows::attention_in_room: no room for ", n, " more keys after ", length, " in a buffer of ",
+              kb.dim() == 4 ? kb.size(2) : 0);
+  kb.narrow(2, length, n).copy_(keys);
+  vb.narrow(2, length, n).copy_(values);
+  return rows_attention(query, kb.narrow(2, 0, length + n), vb.narrow(2, 0, length + n), mask, scale);
+}
+
+at::Tensor attention_in_room_shape(const at::Tensor& query, const at::Tensor&, const at::Tensor&, c10::SymInt,
+                                   int64_t, c10::SymInt, const c10::optional<at::Tensor>&, double) {
+  return at::empty_symint(query.sym_sizes(), query.options());
+}
+
 // The output's shape and type, not its values: what torch.compile traces a graph with (sizes may be symbolic).
 at::Tensor rows_attention_shape(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const c10::optional<at::Tensor>& mask, double scale) {
@@ -148,4 +199,9 @@ TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
   m.impl("attention", c10::DispatchKey::CPU, TORCH_FN(rows_attention));
   m.impl("attention", c10::DispatchKey::Meta, TORCH_FN(rows_attention_shape));
   m.def("attends(int head_dim) -> bool", [](int64_t head_dim) { return attends(head_dim); });
+  m.def("hold_room(int room, Tensor[] keys, Tensor[] values) -> ()", hold_room);
+  m.def("attention_in_room(Tensor query, Tensor keys, Tensor values, SymInt room, int layer, SymInt length, "
+        "Tensor? mask, float scale) -> Tensor");
+  m.impl("attention_in_room", c10::DispatchKey::CPU, TORCH_FN(attention_in_room));
+  m.impl("attention_in_room", c10::DispatchKey::Meta, TORCH_FN(attention_in_room_shape));
 }
