@@ -228,9 +228,9 @@ def test_fast_decoding_compiles_its_one_token_steps_and_decodes_as_plain_greedy(
 
 
 def test_a_compiled_step_multiplies_by_the_weights_the_model_holds_at_each_call():
-    """The compiled graph names its products by key and the rows library holds their weights (`hold_weights`), once
-    a call: a weight replaced or edited between calls is the one the next call multiplies by (fp32, plain greedy's
-    output after each edit), and the graph is not compiled again."""
+    """The compiled graph names its products by key and the rows library holds their weights
+    (`CacheRoom.hold_weights`), once a call: a weight replaced or edited between calls is the one the next call
+    multiplies by (fp32, plain greedy's output after each edit), and the graph is not compiled again."""
     if not routes.on_kernel(1, torch.float32):
         pytest.skip("the rows kernel does not multiply one fp32 row on this machine")
     target = make_target("qwen2")  # biases too

@@ -117,10 +117,12 @@ def fits_step(cache: Cache, plan) -> bool:
 
 def _product_members(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
     """Each layer's four products (q/k/v, o, gate/up, down), in order, as the linear layers in each."""
-    return [members for layer in model.layers[: model.config.num_hidden_layers]
-            for attention, mlp in [(layer.self_attn, layer.mlp)]
-            for members in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
-                            (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))]
+    members = []
+    for layer in model.layers[: model.config.num_hidden_layers]:
+        attention, mlp = layer.self_attn, layer.mlp
+        members += [(attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
+                    (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+    return members
 
 
 @torch.compiler.assume_constant_result  # traced, a constant of the graph (the graph is guarded on the modules' ids)
@@ -129,21 +131,6 @@ def product_keys(model: nn.Module) -> list[int]:
     key is the first member's `product_key` (`fits` checked that each projection leads its product), the same at
     every packing, so that traced once it is a constant of the compiled graph."""
     return [product_key(members[0]) for members in _product_members(model)]
-
-
-def hold_weights(model: nn.Module) -> None:
-    """Hand the rows library each product's weights and bias under its key, for a compiled graph that multiplies on
-    the kernel (`_product`'s `direct`): done at every call, so a weight replaced between calls is the one used.
-
-    Why: the graph then names each product by its key, a constant, instead of taking its weights as inputs, and
-    inductor's entry into a graph gathers and checks every input at every call: 0.5 ms of a compiled SmolLM2 step
-    less (its ~210 weights of ~340 inputs; docs/benchmarks.md). The library holds the weights weakly: a model deleted
-    is freed."""
-    members = _product_members(model)
-    torch.ops.hf_eagle31_rows.hold([product_key(linears[0]) for linears in members],
-                                   [len(linears) for linears in members],
-                                   [linear.weight for linears in members for linear in linears],
-                                   [stacked_bias(tuple(linear.bias for linear in linears)) for linears in members])
 
 
 class CacheRoom:
@@ -165,7 +152,7 @@ class CacheRoom:
 
     def __init__(self, products: list[int], compiled: bool = False):
         self.products, self.compiled = products, compiled
-        self.held = False  # the rows library holds the weights for this call (`hold_weights`)
+        self.weights_held = False  # the rows library holds the weights for this call (`hold_weights`)
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
         self.committed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what `commit` gave the layers
         self.key, self.buffers_held = next(_ROOM_KEYS), False  # the rows library holds the buffers (`hold_buffers`)
@@ -195,6 +182,22 @@ class CacheRoom:
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
             layer.keys, layer.values = layer_keys, layer_values
         self.committed = keys, values
+
+    def hold_weights(self, model: nn.Module) -> None:
+        """Hand the rows library each product's weights and bias under its key, once a call, for a compiled graph that
+        multiplies on the kernel (`_product`'s `direct`): a weight replaced between calls is the one the next uses.
+
+        Why: the graph then names each product by its key, a constant, instead of taking its weights as inputs, and
+        inductor's entry into a graph gathers and checks every input at every call: 0.5 ms of a compiled SmolLM2 step
+        less (its ~210 weights of ~340 inputs; docs/benchmarks.md). The library holds the weights weakly: a model
+        deleted is freed."""
+        if not self.weights_held:
+            members = _product_members(model)
+            biases = [stacked_bias(tuple(linear.bias for linear in linears)) for linears in members]
+            torch.ops.hf_eagle31_rows.hold([product_key(linears[0]) for linears in members],
+                                           [len(linears) for linears in members],
+                                           [linear.weight for linears in members for linear in linears], biases)
+            self.weights_held = True
 
     def hold_buffers(self) -> None:
         """Hand the rows library every layer's buffers under this room's key, where it does not hold them yet: a
@@ -233,9 +236,10 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
 def _product(key: int, x: torch.Tensor, out_features: int, direct: bool, near: int) -> torch.Tensor:
     """The product under `key`. `direct`, in a compiled graph whose rows the rows kernel serves (a one-token step's
     count, `routes.on_kernel`; a block's, any count, `routes.serves_every_count`): the kernel itself on the weights
-    and bias the rows library holds under the key (`hold_weights`), the same call `Product.whole` makes (`near`: the
-    row counts it prefetches into L1 for, `routes.near`); the graph calls it through the dispatcher, where
-    `packed_product` calls back into Python at every product (a noticeable share of a step: docs/benchmarks.md)."""
+    and bias the rows library holds under the key (`CacheRoom.hold_weights`), the same call `Product.whole` makes
+    (`near`: the row counts it prefetches into L1 for, `routes.near`); the graph calls it through the dispatcher,
+    where `packed_product` calls back into Python at every product (a noticeable share of a step:
+    docs/benchmarks.md)."""
     if not direct:
         return packed_product(key, x, out_features)
     return torch.ops.hf_eagle31_rows.product(x, key, out_features, near)
@@ -349,15 +353,15 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
                 # the products on the rows kernel: one graph for one-token steps, one for every block size
                 direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype)
-                if direct and not room.held:
-                    hold_weights(model)
-                    room.held = True
-                if direct and n == 1 and rows.attends(model.layers[0].self_attn.head_dim):  # the cache in the library
+                if direct:
+                    room.hold_weights(model)
+                # a one-token step on the kernel: the cache in the library, which writes and attends there
+                in_room = direct and n == 1 and rows.attends(model.layers[0].self_attn.head_dim)
+                if in_room:
                     room.hold_buffers()
                     inputs = x, cos, sin, None, None, length, mask, tuple(target_layer_ids)
-                    x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype), room.key)
-                else:
-                    x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype))
+                x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype),
+                                                 room.key if in_room else None)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "
                                f"fast_decoding's compile_step=True: {type(error).__name__}); install a C++ compiler "
