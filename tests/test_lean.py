@@ -15,7 +15,7 @@ import hf_eagle31
 from hf_eagle31.backends import fast_bf16
 from hf_eagle31.backends.cpu import lean as llama_verify
 from hf_eagle31.backends.cpu import products as products_module
-from hf_eagle31.backends.cpu import routes
+from hf_eagle31.backends.cpu import routes, rows
 from hf_eagle31.backends.cpu.products import Products, can_pack, packed_product
 from hf_eagle31.backends.cpu.rows import MAX_ROWS
 from hf_eagle31.bench.batching import left_padded
@@ -128,15 +128,19 @@ def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypat
 
 def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_greedy(monkeypatch):
     """`fast_decoding` is the plain baseline EAGLE is measured against: its steps must run on the forward EAGLE
-    verifies with, one token each."""
+    verifies with, one token each, attending on the rows library's kernel in the cache's room where it is built."""
     target, _ = trained_pair("llama")
     blocks = []
     lean_forward = llama_verify.llama_verify_forward
     monkeypatch.setattr(llama_verify, "llama_verify_forward",
                         lambda *args: blocks.append(args[4].shape[1]) or lean_forward(*args))
     plain = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16)
-    fast = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16, custom_generate=hf_eagle31.fast_decoding)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fast = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16,
+                               custom_generate=hf_eagle31.fast_decoding)
     assert torch.equal(fast, plain) and blocks == [1] * 15  # the prefill's forward emits the first token
+    attended = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::attention_in_room", 0)
+    assert attended == (15 * target.config.num_hidden_layers if rows.attends(target.config.head_dim) else 0)
 
 
 def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it():

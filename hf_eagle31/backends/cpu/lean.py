@@ -6,15 +6,17 @@ interface, output capturing; on the CPU backend also `ProductsMode` seeing every
 verify step (docs/benchmarks.md). The forward below computes the same
 operations in the same order (transformers' own
 norm and `rotate_half` in its rotary formula, EAGLE's own attention function) on the same products
-and cache, so its logits, features and cache equal the transformers path's bit for bit
+and cache, so a verify block's logits, features and cache equal the transformers path's bit for bit
 (tests/test_lean.py compares them). It runs only where that holds by construction:
 transformers' own Llama, Mistral or Qwen2 classes (one layer design: `FAMILIES`) without sliding
 windows, a product for every projection (products.py), no hooks or replaced forwards on the modules it
 steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
 Anything else, on any device, runs the target's own forward. Two things are done differently, with the same
 numbers: the queries and keys are rotated in one go, and the cache grows in place (`CacheRoom`) instead of by
-concatenation. With `compile_verify` (fast_decoding's `compile_step`) the layers run as one inductor graph
-(`compiled_decoder`), with the same numbers but for the order of a few sums.
+concatenation. A one-token step (`fast_decoding`'s, a plain step of an EAGLE call) attends on the rows library's
+kernel where it takes the heads (rows_attention.cpp), a rounding apart from SDPA's: a SmolLM2 step 1.06x faster in
+fp32 and 1.03x in bf16 (docs/benchmarks.md). With `compile_verify` (fast_decoding's `compile_step`) the layers run as
+one inductor graph (`compiled_decoder`), with the same numbers but for the order of a few sums.
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ class CacheRoom:
 
     def hold_buffers(self) -> None:
         """Hand the rows library every layer's buffers under this room's key, where it does not hold them yet: a
-        compiled one-token step then writes and attends there (`_attention`), its graph taking none of the cache's
+        one-token step then writes and attends there (`_attention`); compiled, its graph takes none of the cache's
         views as inputs (60 for SmolLM2, each with a length of its own for inductor's entry to check and convert)."""
         if not self.buffers_held:
             layers = [self.buffers[index] for index in range(len(self.buffers))]
@@ -250,8 +252,8 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: tuple, le
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
     # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations);
     # the new keys and values written behind the cache: `cache`, the layer's keys and values in its room's buffers
-    # (`CacheRoom.reserve`), or, in a compiled one-token step on the rows kernel, the room's key and the layer's index
-    # (`CacheRoom.hold_buffers`: its library writes them there and attends)
+    # (`CacheRoom.reserve`), or, in a one-token step, the room's key and the layer's index (`CacheRoom.hold_buffers`:
+    # the rows library writes them there and attends)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
     heads = _product(qkv, x, (queries + 2 * kv) * size, direct, near).view(*x.shape[:-1], -1, size)
@@ -286,9 +288,9 @@ def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos:
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
     `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants);
-    `direct`: traced, the rows kernel multiplies every product (`_product`, with `near`); `room`, in a compiled
-    one-token step on it, instead of `keys` and `values`: the key under which the rows library holds the cache's
-    buffers, where it writes and attends (`_attention`)."""
+    `direct`: traced, the rows kernel multiplies every product (`_product`, with `near`); `room`, in a one-token step,
+    instead of `keys` and `values`: the key under which the rows library holds the cache's buffers, where it writes
+    and attends (`_attention`)."""
     family, products = FAMILIES[type(model)], products or product_keys(model)
     states = {}
     for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
@@ -344,22 +346,24 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     keys, values, length = room.reserve(cache, n)
     config = model.config
     mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
-    inputs = x, cos, sin, keys, values, length, mask, tuple(target_layer_ids)
     # one graph for every block size, none that equal another size by chance; one-token forwards compile a graph
     # of their own, so only a plain call's steps (`fast_decoding`: no features) take one, not an EAGLE call's rare
     # plain step (a fallback where drafting does not pay), which would stop to compile mid-call
-    if room.compiled and (n > 1 or not target_layer_ids):
+    compiled = room.compiled and (n > 1 or not target_layer_ids)
+    # compiled, the products on the rows kernel: one graph for one-token steps, one for every block size
+    direct = compiled and (routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype))
+    # a one-token step (eager, or compiled on the kernel): the cache in the library, which writes and attends there
+    in_room = n == 1 and (direct or not compiled) and x.dtype in (torch.float32, torch.bfloat16) and \
+        rows.attends(model.layers[0].self_attn.head_dim)
+    if in_room:
+        room.hold_buffers()
+    inputs = (x, cos, sin, None if in_room else keys, None if in_room else values, length, mask,
+              tuple(target_layer_ids))
+    if compiled:
+        if direct:
+            room.hold_weights(model)
         try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (slow)
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
-                # the products on the rows kernel: one graph for one-token steps, one for every block size
-                direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype)
-                if direct:
-                    room.hold_weights(model)
-                # a one-token step on the kernel: the cache in the library, which writes and attends there
-                in_room = direct and n == 1 and rows.attends(model.layers[0].self_attn.head_dim)
-                if in_room:
-                    room.hold_buffers()
-                    inputs = x, cos, sin, None, None, length, mask, tuple(target_layer_ids)
                 x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype),
                                                  room.key if in_room else None)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
@@ -368,7 +372,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
                                "(g++), or run it eagerly: drafter.generation_config.compile_verify = False, "
                                "compile_step=False") from error
     else:
-        x, features = _decoder(model, room.products, *inputs)
+        x, features = _decoder(model, room.products, *inputs, room=room.key if in_room else None)
     room.commit(cache, keys, values)
     with products_mode(active_products()):  # the head as a module (its hooks see every forward), on its product
         return target.lm_head(x).float(), features
