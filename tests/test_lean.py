@@ -128,7 +128,7 @@ def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypat
 
 def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_greedy(monkeypatch):
     """`fast_decoding` is the plain baseline EAGLE is measured against: its steps must run on the forward EAGLE
-    verifies with, one token each, attending on the rows library's kernel in the cache's room where it is built."""
+    verifies with, one token each, computed whole by the rows library where it multiplies one row (rows_step.cpp)."""
     target, _ = trained_pair("llama")
     blocks = []
     lean_forward = llama_verify.llama_verify_forward
@@ -139,8 +139,65 @@ def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_
         fast = target.generate(PROMPTS[:1], do_sample=False, max_new_tokens=16,
                                custom_generate=hf_eagle31.fast_decoding)
     assert torch.equal(fast, plain) and blocks == [1] * 15  # the prefill's forward emits the first token
-    attended = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::attention_in_room", 0)
-    assert attended == (15 * target.config.num_hidden_layers if rows.attends(target.config.head_dim) else 0)
+    whole = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::step", 0)
+    assert whole == (15 if rows.attends(target.model.layers[0].self_attn.head_dim) and routes.on_kernel(1, target.dtype) else 0)
+
+
+def one_token_step(target, whole: bool):
+    """One one-token verify forward of a left-padded batch of two after its prompts, through the lean forward with
+    its layers computed whole by the rows library (`whole`) or on torch's ops in the same cache room; its logits,
+    features and the cache it leaves."""
+    prompts = PROMPTS[:2, :12]
+    attention_mask = torch.ones_like(prompts)
+    attention_mask[1, :3] = 0
+    with torch.no_grad(), eagle_verification(target):
+        products = Products(target)
+        cache = DynamicCache(config=target.config)
+        target(prompts, attention_mask=attention_mask, **{CACHE_KWARG: cache})
+        plan = VerifyPlan.for_cache(torch.ones(2, 1, 1, dtype=torch.bool), cache, "batched", attention_mask.bool(),
+                                    prompts.shape[1], len(prompts))
+        with products.active(mode=False):
+            room = llama_verify.room_for(target, products)
+            if not whole:
+                room.norms = None
+            logits, features = llama_verify.llama_verify_forward(
+                target, cache, room, plan, torch.tensor([[5], [9]]), attention_mask.sum(-1, keepdim=True), LAYER_IDS)
+    return logits, features, [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases, which the products add
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_token_step_computed_whole_by_the_rows_library_is_the_lean_forwards_to_a_rounding(monkeypatch, arch,
+                                                                                                 dtype):
+    """rows_step.cpp computes a one-token step's norms, rotary turn, attention, gated MLP and residual adds between
+    its products in one call (`_whole_step`): the logits, features (the final norm's included) and cache of the lean
+    forward on torch's ops, but for the order of a few sums (a bf16 rounding here and there in bf16)."""
+    target = make_target(arch, seed=11, dtype=dtype)
+    if not (rows.attends(target.model.layers[0].self_attn.head_dim) and routes.on_kernel(2, dtype)):
+        pytest.skip("the rows library does not multiply these rows here")
+    whole_steps = []
+    whole_step = llama_verify._whole_step
+    monkeypatch.setattr(llama_verify, "_whole_step", lambda *args: whole_steps.append(1) or whole_step(*args))
+    (logits, features, cache), (whole_logits, whole_features, whole_cache) = (
+        one_token_step(target, whole) for whole in (False, True))
+    assert whole_steps == [1]
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest magnitude (measured: 4e-7 in fp32, 0 in bf16)
+    for got, expected in ((whole_logits, logits), (whole_features, features),
+                          *((a, b) for layer, whole_layer in zip(cache, whole_cache) for b, a in zip(layer, whole_layer))):
+        assert got.shape == expected.shape
+        assert (got.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    assert torch.equal(whole_logits.argmax(-1), logits.argmax(-1))
+
+
+def test_a_step_is_computed_whole_only_for_mlps_gated_by_silu():
+    """rows_step.cpp computes SiLU's gate: another activation takes the lean forward on torch's ops."""
+    target = make_target(seed=5)
+    assert llama_verify._norms(target.model) is not None
+    for layer in target.model.layers[:1]:
+        layer.mlp.act_fn = torch.nn.GELU()
+    assert llama_verify._norms(target.model) is None
+    fast = target.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=12, custom_generate=hf_eagle31.fast_decoding)
+    assert torch.equal(fast, target.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=12))
 
 
 def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it():

@@ -234,6 +234,7 @@ def test_the_build_is_keyed_by_source_compiler_torch_and_cpu_not_by_environment(
     assert rows.build_key() == key
     changes = [(rows, "_compiler", lambda: "clang++"), (rows, "_cpu", lambda: "another CPU"),
                (torch, "__version__", "0.0.1"), (rows, "_flags", lambda: ["-O2"]), (rows, "SOURCES", rows.SOURCES[:1]),
+               (rows, "HEADER", rows.SOURCES[0]),  # the header the sources include, changed
                (rows.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "c++ 99.1", ""))]
     for owner, name, value in changes:
         with monkeypatch.context() as patch:

@@ -14,9 +14,12 @@ steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
 Anything else, on any device, runs the target's own forward. Two things are done differently, with the same
 numbers: the queries and keys are rotated in one go, and the cache grows in place (`CacheRoom`) instead of by
 concatenation. A one-token step (`fast_decoding`'s, a plain step of an EAGLE call) attends on the rows library's
-kernel where it takes the heads (rows_attention.cpp), a rounding apart from SDPA's: a SmolLM2 step 1.06x faster in
-fp32 and 1.03x in bf16 (docs/benchmarks.md). With `compile_verify` (fast_decoding's `compile_step`) the layers run as
-one inductor graph (`compiled_decoder`), with the same numbers but for the order of a few sums.
+kernel where it takes the heads (rows_attention.cpp), a rounding apart from SDPA's; where the library also
+multiplies its one row and the MLPs gate by SiLU, the library computes the step's layers whole (`_whole_step`,
+rows_step.cpp: the same operations, sums in another order), one call instead of ~30 operations a layer: a SmolLM2
+step 1.17x faster in fp32 and 1.28x in bf16 than on torch's ops, as fast as inductor's graph (docs/benchmarks.md).
+With `compile_verify` (fast_decoding's `compile_step`) the layers run as one inductor graph (`compiled_decoder`),
+with the same numbers but for the order of a few sums.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import nn
 from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 from torch.nn.modules import module as torch_module
-from transformers import Cache, PreTrainedModel
+from transformers import Cache, PreTrainedModel, activations
 from transformers.cache_utils import DynamicLayer
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
@@ -152,8 +155,11 @@ class CacheRoom:
 
     MIN_ROOM = 64
 
-    def __init__(self, products: list[int], compiled: bool = False):
+    def __init__(self, products: list[int], compiled: bool = False, norms: list[nn.Module] | None = None):
         self.products, self.compiled = products, compiled
+        # where the rows library computes a one-token step whole (`_whole_step`): every norm's weight and epsilon
+        self.norms = None if norms is None else ([norm.weight for norm in norms],
+                                                 [norm.variance_epsilon for norm in norms])
         self.weights_held = False  # the rows library holds the weights for this call (`hold_weights`)
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
         self.committed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what `commit` gave the layers
@@ -232,7 +238,21 @@ def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
 def room_for(target: PreTrainedModel, products: Products, compiled: bool = False) -> CacheRoom | None:
     """A fresh room where the target's verify forwards can take the lean forward on `products` (`fits`), None where
     they cannot."""
-    return CacheRoom(product_keys(target.model), compiled) if fits(target, products) else None
+    if not fits(target, products):
+        return None
+    return CacheRoom(product_keys(target.model), compiled, _norms(target.model))
+
+
+def _norms(model: nn.Module) -> list[nn.Module] | None:
+    """Every layer's two norms, then the final one, where the rows library computes the model's one-token steps
+    whole (rows_step.cpp): its MLPs gate by SiLU (transformers' "silu"); None elsewhere."""
+    layers = model.layers[: model.config.num_hidden_layers]
+    if not all(type(layer.mlp.act_fn) in _SILU for layer in layers):
+        return None
+    return [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm]
+
+
+_SILU = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
 
 
 def _product(key: int, x: torch.Tensor, out_features: int, direct: bool, near: int) -> torch.Tensor:
@@ -337,6 +357,21 @@ def _ids_and_arguments(guards: list) -> list[bool]:
             for guard in guards]
 
 
+def _whole_step(model: nn.Module, room: CacheRoom, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: None,
+                values: None, length: int, mask: torch.Tensor, target_layer_ids: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_decoder`'s result for a one-token step, computed whole by the rows library (rows_step.cpp) on the weights
+    and the cache room it holds: one call a step instead of about 30 small operations a layer between the products."""
+    config, attention = model.config, model.layers[0].self_attn
+    room.hold_weights(model)
+    weights, eps = room.norms
+    x, features = torch.ops.hf_eagle31_rows.step(
+        x, room.products, weights, eps, cos, sin, room.key, length, mask, attention.scaling,
+        config.num_attention_heads, config.num_key_value_heads, model.layers[0].mlp.intermediate_size,
+        list(target_layer_ids), routes.near(x.dtype))
+    return x, features if target_layer_ids else None
+
+
 def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom, plan, tokens: torch.Tensor,
                          positions: torch.Tensor, target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify_forward`'s result where `fits` and `fits_step`: raw float logits `[B, n, V]`, features `[B, n, 3 H_t]`."""
@@ -350,16 +385,18 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     # of their own, so only a plain call's steps (`fast_decoding`: no features) take one, not an EAGLE call's rare
     # plain step (a fallback where drafting does not pay), which would stop to compile mid-call
     compiled = room.compiled and (n > 1 or not target_layer_ids)
-    # compiled, the products on the rows kernel: one graph for one-token steps, one for every block size
-    direct = compiled and (routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else routes.serves_every_count(x.dtype))
-    # a one-token step (eager, or compiled on the kernel): the cache in the library, which writes and attends there
+    # on the rows kernel: a one-token step's products, compiled a block's where it serves every count
+    direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else compiled and routes.serves_every_count(x.dtype)
+    # a one-token step, eager or compiled on the kernel: the cache in the library, which writes and attends there
     in_room = n == 1 and (direct or not compiled) and x.dtype in (torch.float32, torch.bfloat16) and \
         rows.attends(model.layers[0].self_attn.head_dim)
     if in_room:
         room.hold_buffers()
     inputs = (x, cos, sin, None if in_room else keys, None if in_room else values, length, mask,
               tuple(target_layer_ids))
-    if compiled:
+    if in_room and direct and not compiled and room.norms is not None:
+        x, features = _whole_step(model, room, *inputs)
+    elif compiled:
         if direct:
             room.hold_weights(model)
         try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (slow)

@@ -1,6 +1,7 @@
 """Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16), built once
 per machine and compiler (rows_linear.cpp), and in the same library the attention of a few query rows over a cache
-(rows_attention.cpp: a compiled one-token step's, `lean._attention`).
+(rows_attention.cpp: a one-token step's, `lean._attention`) and a Llama-family one-token step whole (rows_step.cpp:
+`lean._whole_step`).
 
 Why: on a CPU a decoding step multiplies 1 row, and a verify forward 2-16 rows, by every weight of the target, so a
 step is bound by streaming the weights. torch's fp32 path (MKL) and oneDNN's reordered copies compute the rows while
@@ -38,7 +39,9 @@ import torch
 
 MAX_ROWS = 16  # the row counts of verify blocks, each measured (routes.py); a prefill's are measured at a few counts
 # past it, and a compiled verify block's go to the kernel where it serves every count up to it (serves_every_count)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("rows_linear.cpp", "rows_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "rows_linear.cpp", "rows_attention.cpp", "rows_step.cpp"))
+HEADER = Path(__file__).with_name("rows.h")  # what one source calls in another: part of the build key too
 LIBRARY = "hf_eagle31_rows.so"
 
 logger = logging.getLogger(__name__)
@@ -108,8 +111,8 @@ def build_key() -> str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    parts = [*(hashlib.sha256(source.read_bytes()).hexdigest() for source in SOURCES), " ".join(_flags()), compiler,
-             version, torch.__version__, str(torch.version.git_version), _cpu()]
+    parts = [*(hashlib.sha256(source.read_bytes()).hexdigest() for source in (*SOURCES, HEADER)),
+             " ".join(_flags()), compiler, version, torch.__version__, str(torch.version.git_version), _cpu()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

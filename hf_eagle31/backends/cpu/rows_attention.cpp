@@ -11,6 +11,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "rows.h"
+
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -155,6 +157,10 @@ void hold_room(int64_t room, at::TensorList keys, at::TensorList values) {
   rooms[room] = std::move(layers);
 }
 
+}  // namespace
+
+namespace hf_eagle31_rows {
+
 // The new keys and values [B, G, n, D] written into the room's buffers of `layer` behind its `length` cached
 // entries, then `query`'s rows attending over all length + n (`rows_attention`).
 at::Tensor attention_in_room(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -181,6 +187,10 @@ at::Tensor attention_in_room(const at::Tensor& query, const at::Tensor& keys, co
   return rows_attention(query, kb.narrow(2, 0, length + n), vb.narrow(2, 0, length + n), mask, scale);
 }
 
+}  // namespace hf_eagle31_rows
+
+namespace {
+
 at::Tensor attention_in_room_shape(const at::Tensor& query, const at::Tensor&, const at::Tensor&, c10::SymInt,
                                    int64_t, c10::SymInt, const c10::optional<at::Tensor>&, double) {
   return at::empty_symint(query.sym_sizes(), query.options());
@@ -202,6 +212,6 @@ TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
   m.def("hold_room(int room, Tensor[] keys, Tensor[] values) -> ()", hold_room);
   m.def("attention_in_room(Tensor query, Tensor keys, Tensor values, SymInt room, int layer, SymInt length, "
         "Tensor? mask, float scale) -> Tensor");
-  m.impl("attention_in_room", c10::DispatchKey::CPU, TORCH_FN(attention_in_room));
+  m.impl("attention_in_room", c10::DispatchKey::CPU, TORCH_FN(hf_eagle31_rows::attention_in_room));
   m.impl("attention_in_room", c10::DispatchKey::Meta, TORCH_FN(attention_in_room_shape));
 }

@@ -18,6 +18,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "rows.h"
+
 #include <mutex>
 #include <unordered_map>
 
@@ -266,7 +268,11 @@ void hold(at::IntArrayRef keys, at::IntArrayRef counts, at::TensorList weights,
   }
 }
 
-// x times the weights held under `key` (`hold`), plus their bias: `linear` on them.
+}  // namespace
+
+namespace hf_eagle31_rows {
+
+// x times the weights held under `key` (`hold`), plus their bias: `linear` on them (rows_step.cpp calls it too).
 at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64_t near) {
   std::vector<at::Tensor> weights;
   c10::optional<at::Tensor> bias;
@@ -286,6 +292,10 @@ at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64
               out.size(-1), " features, not ", out_features);
   return out;
 }
+
+}  // namespace hf_eagle31_rows
+
+namespace {
 
 at::Tensor product_shape(const at::Tensor& x, int64_t, int64_t out_features, int64_t) {
   std::vector<c10::SymInt> shape = x.sym_sizes().vec();
@@ -311,6 +321,6 @@ TORCH_LIBRARY(hf_eagle31_rows, m) {
   m.def("bf16() -> bool", [] { return bf16_kernel(); });
   m.def("hold(int[] keys, int[] counts, Tensor[] weights, Tensor?[] biases) -> ()", hold);
   m.def("product(Tensor x, int key, int out_features, int near) -> Tensor");
-  m.impl("product", c10::DispatchKey::CPU, TORCH_FN(product));
+  m.impl("product", c10::DispatchKey::CPU, TORCH_FN(hf_eagle31_rows::product));
   m.impl("product", c10::DispatchKey::Meta, TORCH_FN(product_shape));
 }
