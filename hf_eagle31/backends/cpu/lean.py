@@ -6,20 +6,20 @@ interface, output capturing; on the CPU backend also `ProductsMode` seeing every
 verify step (docs/benchmarks.md). The forward below computes the same
 operations in the same order (transformers' own
 norm and `rotate_half` in its rotary formula, EAGLE's own attention function) on the same products
-and cache, so a verify block's logits, features and cache equal the transformers path's bit for bit
+and cache, so on torch's ops a verify block's logits, features and cache equal the transformers path's bit for bit
 (tests/test_lean.py compares them). It runs only where that holds by construction:
 transformers' own Llama, Mistral or Qwen2 classes (one layer design: `FAMILIES`) without sliding
 windows, a product for every projection (products.py), no hooks or replaced forwards on the modules it
 steps over, dynamic (not sliding, not static) cache layers, a "batched" plan.
 Anything else, on any device, runs the target's own forward. Two things are done differently, with the same
 numbers: the queries and keys are rotated in one go, and the cache grows in place (`CacheRoom`) instead of by
-concatenation. A one-token step (`fast_decoding`'s, a plain step of an EAGLE call) attends on the rows library's
-kernel where it takes the heads (rows_attention.cpp), a rounding apart from SDPA's; where the library also
-multiplies its one row and the MLPs gate by SiLU, the library computes the step's layers whole (`_whole_step`,
-rows_step.cpp: the same operations, sums in another order), one call instead of ~30 operations a layer: a SmolLM2
-step 1.17x faster in fp32 and 1.28x in bf16 than on torch's ops, as fast as inductor's graph (docs/benchmarks.md).
-With `compile_verify` (fast_decoding's `compile_step`) the layers run as one inductor graph (`compiled_decoder`),
-with the same numbers but for the order of a few sums.
+concatenation. Where the rows library multiplies the forward's rows, attends over heads of its size
+(rows_attention.cpp) and the MLPs gate by SiLU, it computes the layers whole (`_whole_step`, rows_step.cpp: the
+same operations, sums in another order, its attention a rounding apart from SDPA's), one call instead of ~30
+operations a layer: a SmolLM2 one-token step 1.17x faster in fp32 and 1.28x in bf16 than on torch's ops, as fast as
+inductor's graph (docs/benchmarks.md). Elsewhere the ops below run (a one-token step still attends on the library
+where it can). With `compile_verify` (fast_decoding's `compile_step`) the layers run as one inductor graph
+(`compiled_decoder`), with the same numbers but for the order of a few sums.
 """
 
 from __future__ import annotations
@@ -360,8 +360,8 @@ def _ids_and_arguments(guards: list) -> list[bool]:
 def _whole_step(model: nn.Module, room: CacheRoom, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: None,
                 values: None, length: int, mask: torch.Tensor, target_layer_ids: tuple[int, ...]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_decoder`'s result for a one-token step, computed whole by the rows library (rows_step.cpp) on the weights
-    and the cache room it holds: one call a step instead of about 30 small operations a layer between the products."""
+    """`_decoder`'s result, computed whole by the rows library (rows_step.cpp) on the weights and the cache room it
+    holds: one call a forward instead of about 30 small operations a layer between the products."""
     config, attention = model.config, model.layers[0].self_attn
     room.hold_weights(model)
     weights, eps = room.norms
@@ -385,16 +385,18 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     # of their own, so only a plain call's steps (`fast_decoding`: no features) take one, not an EAGLE call's rare
     # plain step (a fallback where drafting does not pay), which would stop to compile mid-call
     compiled = room.compiled and (n > 1 or not target_layer_ids)
-    # on the rows kernel: a one-token step's products, compiled a block's where it serves every count
-    direct = routes.on_kernel(tokens.numel(), x.dtype) if n == 1 else compiled and routes.serves_every_count(x.dtype)
-    # a one-token step, eager or compiled on the kernel: the cache in the library, which writes and attends there
-    in_room = n == 1 and (direct or not compiled) and x.dtype in (torch.float32, torch.bfloat16) and \
-        rows.attends(model.layers[0].self_attn.head_dim)
+    # the products on the rows kernel: eager, or compiled for one token; a compiled block's where it serves every count
+    direct = routes.serves_every_count(x.dtype) if compiled and n > 1 else routes.on_kernel(tokens.numel(), x.dtype)
+    attends = x.dtype in (torch.float32, torch.bfloat16) and rows.attends(model.layers[0].self_attn.head_dim)
+    # eager on the kernel, the layers computed whole by the library (`_whole_step`)
+    whole = direct and attends and not compiled and room.norms is not None
+    # the cache in the library, which writes and attends there: a whole forward's, and a one-token step's
+    in_room = attends and (whole or n == 1 and (direct or not compiled))
     if in_room:
         room.hold_buffers()
     inputs = (x, cos, sin, None if in_room else keys, None if in_room else values, length, mask,
               tuple(target_layer_ids))
-    if in_room and direct and not compiled and room.norms is not None:
+    if whole:
         x, features = _whole_step(model, room, *inputs)
     elif compiled:
         if direct:
