@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import hf_eagle31  # noqa: E402  (routes generate(assistant_model=<EAGLE drafter>))
 from hf_eagle31 import Eagle3DraftModel, drafting_dtype  # noqa: E402
-from hf_eagle31.bench.roofline import Roofline, speedup_claim  # noqa: E402
+from hf_eagle31.bench.roofline import Roofline, read_bandwidth, speedup_claim  # noqa: E402
 from hf_eagle31.bench.runner import first_token_seconds  # noqa: E402
 from hf_eagle31.packaged import load_packaged_model  # noqa: E402
 
@@ -66,7 +66,9 @@ def main() -> int:
     tokens, seconds, first = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0.0)
     forwards = emitted = 0
     all_identical = True
+    bandwidths = []  # the roofline's probe before each question too: the fastest is the floor (`Roofline.measure`)
     for question in QUESTIONS:
+        bandwidths.append(read_bandwidth())
         prompt = encode(question)
         outputs = {}
         for name, kwargs in methods.items():  # the first token timed apart, before the call the drafter's stats tell
@@ -86,7 +88,7 @@ def main() -> int:
     rates = {name: tokens[name] / seconds[name] for name in methods}
     decoding = {name: (tokens[name] - len(QUESTIONS)) / (seconds[name] - first[name]) for name in methods}
     best, tau = max(("generate", "fast decoding"), key=rates.get), emitted / max(forwards, 1)
-    roofline = Roofline.measure(target)  # the fastest a plain step can go here: its weights read once
+    roofline = Roofline.measure(target, bandwidths)  # the fastest a plain step can go here: its weights read once
     print("=" * 100)
     print(f"target alone: generate {rates['generate']:.1f} tokens/s, fast decoding {rates['fast decoding']:.1f} "
           f"tokens/s   EAGLE 3.1: {rates['EAGLE 3.1']:.1f} tokens/s   tau: {tau:.2f}")

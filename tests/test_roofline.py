@@ -39,6 +39,16 @@ def test_the_floor_and_each_rate_over_it_by_hand():
     assert line.as_dict()["floor_tokens_per_second"] == pytest.approx(40.0)
 
 
+def test_the_floor_is_measured_at_the_fastest_read_of_the_run(monkeypatch):
+    """A host's bandwidth moves: the floor takes the fastest probe of the run, this one's or an earlier one's."""
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda device: 30e9)
+    assert Roofline.measure(model).bandwidth == 30e9
+    assert Roofline.measure(model, [45e9, 20e9]).bandwidth == 45e9
+    assert Roofline.measure(model, [25e9]).bandwidth == 30e9
+
+
 def test_a_speedup_above_tau_is_said_as_a_handicapped_baseline_not_as_a_result():
     assert speedup_claim(1.5, 1.91, "fast decoding", 0.8) == \
         "speedup over the best plain decoding (fast decoding): 1.50x"

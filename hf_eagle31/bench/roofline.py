@@ -9,6 +9,7 @@ verify a block); a block reads the same weights as one step, so only a slow plai
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +67,13 @@ class Roofline:
     dtype: str
 
     @classmethod
-    def measure(cls, model: nn.Module) -> Roofline:
-        return cls(read_bandwidth(model.device), step_bytes(model), str(model.dtype).removeprefix("torch."))
+    def measure(cls, model: nn.Module, earlier: Iterable[float] = ()) -> Roofline:
+        """The roofline at the fastest of this `read_bandwidth` and those measured `earlier` in the run.
+
+        Why: a shared host's read bandwidth moves from one minute to the next (30 to 80 GB/s on one VM), and a floor
+        probed at a slow moment would put a step timed at a fast one above it (a plain decoding at 1.06 of it)."""
+        bandwidth = max([read_bandwidth(model.device), *earlier])
+        return cls(bandwidth, step_bytes(model), str(model.dtype).removeprefix("torch."))
 
     @property
     def floor_seconds(self) -> float:

@@ -286,13 +286,14 @@ def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
     }
 
 
-def measure_roofline(target, drafters: dict, args: argparse.Namespace):
+def measure_roofline(target, drafters: dict, args: argparse.Namespace, bandwidth_before: float):
     """The memory roofline of the target's step on this machine, and beside it the verify cost curve of blocks of
-    1-16 rows on the layers the drafter reads (None without a drafter): both measured after the methods ran."""
+    1-16 rows on the layers the drafter reads (None without a drafter): both measured after the methods ran, the
+    roofline at the faster of the read bandwidths before and after them."""
     from hf_eagle31.bench.roofline import Roofline
     from hf_eagle31.bench.verify_cost import SIZES, measure
 
-    roofline, verify = Roofline.measure(target), None
+    roofline, verify = Roofline.measure(target, [bandwidth_before]), None
     if drafters:
         layer_ids = drafters.get("EAGLE 3.1", next(iter(drafters.values()))).config.target_layer_ids
         verify = measure(target, layer_ids, rounds=3, compiled=args.compile_verify,
@@ -372,6 +373,7 @@ def run_comparison(target, drafters: dict, assistant, measured: dict[str, list[t
                    calibration: list[torch.Tensor], args: argparse.Namespace, meta: dict) -> int:
     """The methods' table over the measured prompts, with the draft shapes tuned (or shipped) and the roofline."""
     from hf_eagle31.bench.report import write_results
+    from hf_eagle31.bench.roofline import read_bandwidth
     from hf_eagle31.bench.runner import combine
 
     meta["prompts"] = {name: len(p) for name, p in measured.items()}
@@ -384,13 +386,14 @@ def run_comparison(target, drafters: dict, assistant, measured: dict[str, list[t
         meta["tuning_source"] = "this run (calibration prompts, then this device's costs)"
     methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes, args.temperature > 0,
                           args.compile_verify)
+    bandwidth_before = read_bandwidth(target.device)
     per_dataset = run_in_parts(target, measured, methods, args)
     results = combine([r for r, _ in per_dataset.values()])
     prompts = sum(n for _, n in per_dataset.values())
     meta["prompts"] = {name: n for name, (_, n) in per_dataset.items()}  # measured, with --max-parts fewer than chosen
     if args.project:
         meta["projections"] = projections(args, tuning, target.dtype)
-    roofline, verify = measure_roofline(target, drafters, args)
+    roofline, verify = measure_roofline(target, drafters, args, bandwidth_before)
     write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None,
                   roofline, verify)
     print_comparison(results, prompts, per_dataset, tuning, roofline, verify, meta)
