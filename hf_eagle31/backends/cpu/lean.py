@@ -157,7 +157,7 @@ class CacheRoom:
 
     def __init__(self, products: list[int], compiled: bool = False, norms: list[nn.Module] | None = None):
         self.products, self.compiled = products, compiled
-        # where the rows library computes a one-token step whole (`_whole_step`): every norm's weight and epsilon
+        # where the rows library computes a forward whole (`_whole_step`): every norm's weight and epsilon
         self.norms = None if norms is None else ([norm.weight for norm in norms],
                                                  [norm.variance_epsilon for norm in norms])
         self.weights_held = False  # the rows library holds the weights for this call (`hold_weights`)
@@ -244,8 +244,8 @@ def room_for(target: PreTrainedModel, products: Products, compiled: bool = False
 
 
 def _norms(model: nn.Module) -> list[nn.Module] | None:
-    """Every layer's two norms, then the final one, where the rows library computes the model's one-token steps
-    whole (rows_step.cpp): its MLPs gate by SiLU (transformers' "silu"); None elsewhere."""
+    """Every layer's two norms, then the final one, where the rows library can compute the model's forwards whole
+    (rows_step.cpp): its MLPs gate by SiLU (transformers' "silu"); None elsewhere."""
     layers = model.layers[: model.config.num_hidden_layers]
     if not all(type(layer.mlp.act_fn) in _SILU for layer in layers):
         return None
@@ -357,9 +357,8 @@ def _ids_and_arguments(guards: list) -> list[bool]:
             for guard in guards]
 
 
-def _whole_step(model: nn.Module, room: CacheRoom, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: None,
-                values: None, length: int, mask: torch.Tensor, target_layer_ids: tuple[int, ...]
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _whole_step(model: nn.Module, room: CacheRoom, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int,
+                mask: torch.Tensor, target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_decoder`'s result, computed whole by the rows library (rows_step.cpp) on the weights and the cache room it
     holds: one call a forward instead of about 30 small operations a layer between the products."""
     config, attention = model.config, model.layers[0].self_attn
@@ -368,7 +367,7 @@ def _whole_step(model: nn.Module, room: CacheRoom, x: torch.Tensor, cos: torch.T
     x, features = torch.ops.hf_eagle31_rows.step(
         x, room.products, weights, eps, cos, sin, room.key, length, mask, attention.scaling,
         config.num_attention_heads, config.num_key_value_heads, model.layers[0].mlp.intermediate_size,
-        list(target_layer_ids), routes.near(x.dtype))
+        target_layer_ids, routes.near(x.dtype))
     return x, features if target_layer_ids else None
 
 
@@ -397,7 +396,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     inputs = (x, cos, sin, None if in_room else keys, None if in_room else values, length, mask,
               tuple(target_layer_ids))
     if whole:
-        x, features = _whole_step(model, room, *inputs)
+        x, features = _whole_step(model, room, x, cos, sin, length, mask, list(target_layer_ids))
     elif compiled:
         if direct:
             room.hold_weights(model)
