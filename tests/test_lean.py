@@ -66,6 +66,15 @@ def perturbed_copy(target):
     return other
 
 
+def kernel_routes(monkeypatch, dtype: torch.dtype) -> None:
+    """Every row count of `dtype` on the rows kernel, whatever this machine measured (at 1 thread an AMD EPYC sends
+    3-16 fp32 rows to oneDNN): the kernel multiplies any count exactly, and the library's whole forward runs only on
+    it. Skipped where the library is not built or does not multiply `dtype`."""
+    if "rows" not in routes.available(dtype):
+        pytest.skip(f"the rows kernel does not multiply {dtype} here")
+    monkeypatch.setitem(routes._ROUTES, (dtype, torch.get_num_threads()), ("rows",) * len(routes.COUNTS))
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v with biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tied", [False, True])
@@ -127,6 +136,22 @@ def test_decoding_takes_the_lean_forward_and_still_equals_plain_greedy(monkeypat
     assert calls and torch.equal(eagle, plain)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoding_on_forwards_computed_whole_by_the_rows_library_equals_plain_greedy(monkeypatch, arch):
+    """Verify blocks and one-token steps computed whole (rows_step.cpp), a batch with a left pad included: the same
+    tokens as plain greedy `generate` (fp32)."""
+    target, drafter = trained_pair(arch, tree_depth=3, tree_top_k=3, tree_total_tokens=6)
+    kernel_routes(monkeypatch, torch.float32)
+    blocks = []
+    whole_step = llama_verify._whole_step
+    monkeypatch.setattr(llama_verify, "_whole_step", lambda *args: blocks.append(args[2].shape[1]) or whole_step(*args))
+    batch = left_padded([PROMPTS[0, :9].tolist(), PROMPTS[1, :5].tolist()], 0, "cpu")
+    for inputs in ({"input_ids": PROMPTS[:1]}, batch):
+        plain = target.generate(**inputs, do_sample=False, max_new_tokens=24)
+        assert torch.equal(target.generate(**inputs, do_sample=False, max_new_tokens=24, assistant_model=drafter), plain)
+    assert blocks and max(blocks) > 1
+
+
 def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_greedy(monkeypatch):
     """`fast_decoding` is the plain baseline EAGLE is measured against: its steps must run on the forward EAGLE
     verifies with, one token each, computed whole by the rows library where it multiplies one row (rows_step.cpp)."""
@@ -179,8 +204,9 @@ def test_a_forward_computed_whole_by_the_rows_library_is_the_lean_forwards_to_a_
     norm's included) and cache of the lean forward on torch's ops, but for the order of a few sums (a bf16 rounding
     here and there in bf16)."""
     target = make_target(arch, seed=11, dtype=dtype)
-    if not (rows.attends(target.model.layers[0].self_attn.head_dim) and routes.on_kernel(10 if block else 2, dtype)):
-        pytest.skip("the rows library does not multiply these rows here")
+    kernel_routes(monkeypatch, dtype)
+    if not rows.attends(target.model.layers[0].self_attn.head_dim):
+        pytest.skip("the rows library does not attend over these heads here")
     whole_steps = []
     whole_step = llama_verify._whole_step
     monkeypatch.setattr(llama_verify, "_whole_step", lambda *args: whole_steps.append(1) or whole_step(*args))
