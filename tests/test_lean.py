@@ -148,7 +148,8 @@ def test_decoding_on_forwards_computed_whole_by_the_rows_library_equals_plain_gr
     batch = left_padded([PROMPTS[0, :9].tolist(), PROMPTS[1, :5].tolist()], 0, "cpu")
     for inputs in ({"input_ids": PROMPTS[:1]}, batch):
         plain = target.generate(**inputs, do_sample=False, max_new_tokens=24)
-        assert torch.equal(target.generate(**inputs, do_sample=False, max_new_tokens=24, assistant_model=drafter), plain)
+        eagle = target.generate(**inputs, do_sample=False, max_new_tokens=24, assistant_model=drafter)
+        assert torch.equal(eagle, plain)
     assert blocks and max(blocks) > 1
 
 
@@ -166,7 +167,8 @@ def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_
                                custom_generate=hf_eagle31.fast_decoding)
     assert torch.equal(fast, plain) and blocks == [1] * 15  # the prefill's forward emits the first token
     whole = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::step", 0)
-    assert whole == (15 if rows.attends(target.model.layers[0].self_attn.head_dim) and routes.on_kernel(1, target.dtype) else 0)
+    library = rows.attends(target.model.layers[0].self_attn.head_dim) and routes.on_kernel(1, target.dtype)
+    assert whole == (15 if library else 0)
 
 
 def lean_forward(target, whole: bool, block: bool):
@@ -216,8 +218,8 @@ def test_a_forward_computed_whole_by_the_rows_library_is_the_lean_forwards_to_a_
     # of the largest magnitude; measured 7e-7 in fp32, in bf16 0 for a token and 1.8% for a block, whose SDPA rounds
     # its bf16 probabilities where the library's attention keeps them in fp32 (both as far from fp32's logits)
     tolerance = 1e-5 if dtype == torch.float32 else 4e-2
-    for got, expected in ((whole_logits, logits), (whole_features, features),
-                          *((a, b) for layer, whole_layer in zip(cache, whole_cache) for b, a in zip(layer, whole_layer))):
+    cached = [(a, b) for layer, whole_layer in zip(cache, whole_cache) for b, a in zip(layer, whole_layer)]
+    for got, expected in ((whole_logits, logits), (whole_features, features), *cached):
         assert got.shape == expected.shape
         assert (got.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
     if dtype == torch.float32:  # in bf16 a near tie may flip, as between any two bf16 paths
@@ -231,7 +233,8 @@ def test_a_step_is_computed_whole_only_for_mlps_gated_by_silu():
     for layer in target.model.layers[:1]:
         layer.mlp.act_fn = torch.nn.GELU()
     assert llama_verify._norms(target.model) is None
-    fast = target.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=12, custom_generate=hf_eagle31.fast_decoding)
+    fast = target.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=12,
+                           custom_generate=hf_eagle31.fast_decoding)
     assert torch.equal(fast, target.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=12))
 
 
