@@ -21,27 +21,12 @@
 
 namespace {
 
+using hf_eagle31_rows::exp16;
+using hf_eagle31_rows::load16;
+
 constexpr int MAX_DIM = 256;  // head dims up to this, in steps of 16 (a vector)
 
 bool attends(int64_t head_dim) { return head_dim % 16 == 0 && head_dim <= MAX_DIM; }
-
-inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load(const at::BFloat16* p) {  // a bf16 is the top half of the fp32 with the same bits
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// e^x of 16 lanes (relative error ~2e-7): 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
-// series to r^7; exactly 0 below -87.3 (where e^x leaves fp32's normal range), as a masked score's exponent is.
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
-}
 
 // One query row `q` [D] over keys and values [L, D] (rows `ks`, `vs` apart), `mask` [L] (or none): `out` [D].
 template <class T>
@@ -49,7 +34,7 @@ void attend(const T* q, const T* k, int64_t ks, const T* v, int64_t vs, const T*
             float scale, T* out, std::vector<float>& scores) {
   const int64_t vectors = D / 16;
   __m512 qv[MAX_DIM / 16];
-  for (int64_t d = 0; d < vectors; ++d) qv[d] = _mm512_mul_ps(load(q + 16 * d), _mm512_set1_ps(scale));
+  for (int64_t d = 0; d < vectors; ++d) qv[d] = _mm512_mul_ps(load16(q + 16 * d), _mm512_set1_ps(scale));
   scores.resize(L + 16);
   float* s = scores.data();
   float top = -INFINITY;
@@ -57,12 +42,12 @@ void attend(const T* q, const T* k, int64_t ks, const T* v, int64_t vs, const T*
   for (; j + 4 <= L; j += 4) {  // four keys at a time: four independent sums in flight
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t d = 0; d < vectors; ++d)
-      for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(qv[d], load(k + (j + c) * ks + 16 * d), acc[c]);
+      for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(qv[d], load16(k + (j + c) * ks + 16 * d), acc[c]);
     for (int c = 0; c < 4; ++c) s[j + c] = _mm512_reduce_add_ps(acc[c]);
   }
   for (; j < L; ++j) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < vectors; ++d) acc = _mm512_fmadd_ps(qv[d], load(k + j * ks + 16 * d), acc);
+    for (int64_t d = 0; d < vectors; ++d) acc = _mm512_fmadd_ps(qv[d], load16(k + j * ks + 16 * d), acc);
     s[j] = _mm512_reduce_add_ps(acc);
   }
   for (j = 0; j < L; ++j) {
@@ -83,8 +68,8 @@ void attend(const T* q, const T* k, int64_t ks, const T* v, int64_t vs, const T*
     const __m512 even = _mm512_set1_ps(s[j]), odd = _mm512_set1_ps(s[j + 1]);
     const T* next = v + std::min(j + 1, L - 1) * vs;
     for (int64_t d = 0; d < vectors; ++d) {
-      acc[0][d] = _mm512_fmadd_ps(even, load(v + j * vs + 16 * d), acc[0][d]);
-      acc[1][d] = _mm512_fmadd_ps(odd, load(next + 16 * d), acc[1][d]);
+      acc[0][d] = _mm512_fmadd_ps(even, load16(v + j * vs + 16 * d), acc[0][d]);
+      acc[1][d] = _mm512_fmadd_ps(odd, load16(next + 16 * d), acc[1][d]);
     }
   }
   const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
@@ -163,23 +148,37 @@ void hold_room(int64_t room, at::TensorList keys, at::TensorList values) {
 
 namespace hf_eagle31_rows {
 
+std::pair<at::Tensor, at::Tensor> room_layer(int64_t room, int64_t layer) {
+  std::pair<at::Tensor, at::Tensor> buffers;
+  {
+    std::lock_guard<std::mutex> lock(rooms_lock);
+    const auto entry = rooms.find(room);
+    TORCH_CHECK(entry != rooms.end() && layer < static_cast<int64_t>(entry->second.size()),
+                "hf_eagle31_rows: no buffers held for layer ", layer, " of room ", room);
+    buffers = {at::Tensor(entry->second[layer].first.lock()), at::Tensor(entry->second[layer].second.lock())};
+  }
+  TORCH_CHECK(buffers.first.defined() && buffers.second.defined(), "hf_eagle31_rows: the buffers of room ",
+              room, " were freed");
+  return buffers;
+}
+
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
+                 at::Tensor& out) {
+  if (q.scalar_type() == at::kFloat) attend_all<float>(q, k, v, m, static_cast<float>(scale), out);
+  else attend_all<at::BFloat16>(q, k, v, m, static_cast<float>(scale), out);
+}
+
+}  // namespace hf_eagle31_rows
+
+namespace {
+
 // The new keys and values [B, G, n, D] written into the room's buffers of `layer` behind its `length` cached
 // entries, then `query`'s rows attending over all length + n (`rows_attention`).
 at::Tensor attention_in_room(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                              c10::SymInt room_key, int64_t layer, c10::SymInt cached,
                              const c10::optional<at::Tensor>& mask, double scale) {
   const int64_t room = room_key.expect_int(), length = cached.expect_int();
-  at::Tensor kb, vb;
-  {
-    std::lock_guard<std::mutex> lock(rooms_lock);
-    const auto entry = rooms.find(room);
-    TORCH_CHECK(entry != rooms.end() && layer < static_cast<int64_t>(entry->second.size()),
-                "hf_eagle31_rows::attention_in_room: no buffers held for layer ", layer, " of room ", room);
-    kb = at::Tensor(entry->second[layer].first.lock());
-    vb = at::Tensor(entry->second[layer].second.lock());
-  }
-  TORCH_CHECK(kb.defined() && vb.defined(), "hf_eagle31_rows::attention_in_room: the buffers of room ", room,
-              " were freed");
+  auto [kb, vb] = hf_eagle31_rows::room_layer(room, layer);
   const int64_t n = keys.size(2);
   TORCH_CHECK(keys.sizes() == values.sizes() && keys.dim() == 4 && kb.dim() == 4 && length + n <= kb.size(2),
               "hf_eagle31_rows::attention_in_room: no room for ", n, " more keys after ", length, " in a buffer of ",
@@ -189,9 +188,6 @@ at::Tensor attention_in_room(const at::Tensor& query, const at::Tensor& keys, co
   return rows_attention(query, kb.narrow(2, 0, length + n), vb.narrow(2, 0, length + n), mask, scale);
 }
 
-}  // namespace hf_eagle31_rows
-
-namespace {
 
 at::Tensor attention_in_room_shape(const at::Tensor& query, const at::Tensor&, const at::Tensor&, c10::SymInt,
                                    int64_t, c10::SymInt, const c10::optional<at::Tensor>&, double) {
@@ -214,6 +210,6 @@ TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
   m.def("hold_room(int room, Tensor[] keys, Tensor[] values) -> ()", hold_room);
   m.def("attention_in_room(Tensor query, Tensor keys, Tensor values, SymInt room, int layer, SymInt length, "
         "Tensor? mask, float scale) -> Tensor");
-  m.impl("attention_in_room", c10::DispatchKey::CPU, TORCH_FN(hf_eagle31_rows::attention_in_room));
+  m.impl("attention_in_room", c10::DispatchKey::CPU, TORCH_FN(attention_in_room));
   m.impl("attention_in_room", c10::DispatchKey::Meta, TORCH_FN(attention_in_room_shape));
 }

@@ -277,22 +277,34 @@ void hold(at::IntArrayRef keys, at::IntArrayRef counts, at::TensorList weights,
 
 namespace hf_eagle31_rows {
 
-// x times the weights held under `key` (`hold`), plus their bias: `linear` on them (rows_step.cpp calls it too).
-at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64_t near) {
-  std::vector<at::Tensor> weights;
-  c10::optional<at::Tensor> bias;
-  {
-    std::lock_guard<std::mutex> lock(held_lock);
-    const auto entry = held.find(key);
-    TORCH_CHECK(entry != held.end(), "hf_eagle31_rows::product: no weights held under key ", key);
-    for (const auto& w : entry->second.weights) {
-      auto strong = w.lock();
-      TORCH_CHECK(strong, "hf_eagle31_rows::product: the weights held under key ", key, " were freed");
-      weights.emplace_back(std::move(strong));
-    }
-    bias = entry->second.bias;
+Weights held_weights(int64_t key) {
+  Weights found;
+  std::lock_guard<std::mutex> lock(held_lock);
+  const auto entry = held.find(key);
+  TORCH_CHECK(entry != held.end(), "hf_eagle31_rows: no weights held under key ", key);
+  for (const auto& w : entry->second.weights) {
+    auto strong = w.lock();
+    TORCH_CHECK(strong, "hf_eagle31_rows: the weights held under key ", key, " were freed");
+    found.weights.emplace_back(std::move(strong));
+    found.features += found.weights.back().size(0);
   }
-  at::Tensor out = rows_linear(x, weights, bias, near);
+  if (entry->second.bias.has_value()) found.bias = entry->second.bias->to(at::kFloat).contiguous();
+  return found;
+}
+
+void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t near) {
+  const float* bias = weights.bias.defined() ? weights.bias.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) linear_into<F32>(x, weights.weights, bias, out, near);
+#ifdef __AVX512BF16__
+  else linear_into<BF16>(x, weights.weights, bias, out, near);
+#endif
+}
+
+// x times the weights held under `key` (`hold`), plus their bias: `linear` on them.
+at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64_t near) {
+  const Weights weights = held_weights(key);
+  at::Tensor out = rows_linear(x, weights.weights, weights.bias.defined() ? c10::optional<at::Tensor>(weights.bias)
+                                                                          : c10::nullopt, near);
   TORCH_CHECK(out.size(-1) == out_features, "hf_eagle31_rows::product: the weights held under key ", key, " give ",
               out.size(-1), " features, not ", out_features);
   return out;

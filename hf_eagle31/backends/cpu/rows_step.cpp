@@ -10,118 +10,200 @@
 // would (a bf16 result after every operation), so a forward is the lean forward's but for the order of a few sums.
 #include <ATen/ATen.h>
 #include <torch/library.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "rows.h"
 
 namespace {
 
-// `v` rounded to T, as a torch operation in T stores its result.
-template <class T>
-inline float round_to(float v) {
-  return static_cast<float>(static_cast<T>(v));
+using hf_eagle31_rows::exp16;
+using hf_eagle31_rows::load16;
+using hf_eagle31_rows::round16;
+using hf_eagle31_rows::store16;
+
+// f(j, lanes) over 0..n in vectors of 16, the last one masked to what is left.
+template <class F>
+inline void by16(int64_t n, F f) {
+  for (int64_t j = 0; j < n; j += 16) f(j, n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1));
 }
 
 // transformers' Llama RMSNorm of one row: x over its root mean square in fp32, rounded to T, times the weight.
 template <class T>
 void rms_norm(const T* x, const T* weight, int64_t H, float eps, T* out) {
-  float sum = 0.0f;
-  for (int64_t j = 0; j < H; ++j) sum += static_cast<float>(x[j]) * static_cast<float>(x[j]);
-  const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
-  for (int64_t j = 0; j < H; ++j)
-    out[j] = static_cast<T>(static_cast<float>(weight[j]) * round_to<T>(static_cast<float>(x[j]) * inverse));
+  __m512 squares = _mm512_setzero_ps();
+  by16(H, [&](int64_t j, __mmask16 m) {
+    const __m512 v = load16(x + j, m);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  });
+  const __m512 inverse = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps));
+  by16(H, [&](int64_t j, __mmask16 m) {
+    const __m512 normed = round16<T>(_mm512_mul_ps(load16(x + j, m), inverse));
+    store16(out + j, _mm512_mul_ps(load16(weight + j, m), normed), m);
+  });
 }
 
-// transformers' rotary turn of one head: x * cos + rotate_half(x) * sin.
+// transformers' rotary turn of one head: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
 template <class T>
 void turn(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
   const int64_t half = D / 2;
-  for (int64_t j = 0; j < D; ++j) {
-    const float rotated = j < half ? -static_cast<float>(x[j + half]) : static_cast<float>(x[j - half]);
-    out[j] = static_cast<T>(round_to<T>(static_cast<float>(x[j]) * static_cast<float>(cos[j])) +
-                            round_to<T>(rotated * static_cast<float>(sin[j])));
-  }
+  by16(half, [&](int64_t j, __mmask16 m) {
+    const __m512 x1 = load16(x + j, m), x2 = load16(x + half + j, m);
+    const __m512 first = _mm512_sub_ps(round16<T>(_mm512_mul_ps(x1, load16(cos + j, m))),
+                                       round16<T>(_mm512_mul_ps(x2, load16(sin + j, m))));
+    const __m512 second = _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, load16(cos + half + j, m))),
+                                        round16<T>(_mm512_mul_ps(x1, load16(sin + half + j, m))));
+    store16(out + j, first, m);
+    store16(out + half + j, second, m);
+  });
 }
 
-// The MLP's silu(gate) * up over one row of the gate/up product [gate (I), up (I)].
+// The MLP's silu(gate) * up over one row of the gate/up product [gate (I), up (I)], silu(g) = g / (1 + e^-g).
 template <class T>
 void gate(const T* gate_up, int64_t I, T* out) {
-  for (int64_t j = 0; j < I; ++j) {
-    const float g = static_cast<float>(gate_up[j]);
-    out[j] = static_cast<T>(round_to<T>(g / (1.0f + std::exp(-g))) * static_cast<float>(gate_up[I + j]));
-  }
+  const __m512 one = _mm512_set1_ps(1.0f);
+  by16(I, [&](int64_t j, __mmask16 m) {
+    const __m512 g = load16(gate_up + j, m);
+    const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    store16(out + j, _mm512_mul_ps(silu, load16(gate_up + I + j, m)), m);
+  });
 }
 
 template <class T>
 void add_into(T* x, const T* y, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) x[j] = static_cast<T>(static_cast<float>(x[j]) + static_cast<float>(y[j]));
+  by16(n, [&](int64_t j, __mmask16 m) { store16(x + j, _mm512_add_ps(load16(x + j, m), load16(y + j, m)), m); });
 }
 
+// Each of the rows of x [rows, H] normed into out.
 template <class T>
 void norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
-  const int64_t H = x.size(-1), count = x.numel() / H;
-  for (int64_t row = 0; row < count; ++row)
+  const int64_t H = x.size(1);
+  for (int64_t row = 0; row < x.size(0); ++row)
     rms_norm<T>(x.data_ptr<T>() + row * H, weight.data_ptr<T>(), H, static_cast<float>(eps),
                 out.data_ptr<T>() + row * H);
 }
 
-struct Shape {
-  int64_t heads, kv_heads, intermediate, near;
+// One forward's sizes and the buffers every layer reuses (B n rows of tokens), allocated once a forward.
+struct Forward {
+  int64_t B, n, H, D, heads, kv, intermediate, length, near;
+  double scale;
+  at::Tensor x, h;           // the residual stream, a norm's output [B n, H]
+  at::Tensor qkv;            // [B n, (heads + 2 kv) D]
+  at::Tensor query, attended;  // [B, kv, G n, D]: a key/value head's G query heads' rows one after another, as
+                               // `grouped_attention` folds them
+  at::Tensor merged;         // the attended heads side by side [B n, heads D] (a view of `attended` for one token)
+  at::Tensor out;            // the o and down products [B n, H]
+  at::Tensor gate_up, gated;  // [B n, 2 I], [B n, I]
+  at::Tensor mask;           // the additive mask [B, kv, G n, length + n], or undefined
 };
 
-// The rotary turn of each token's query and key heads in the q/k/v product [B, n, heads + 2 kv, D], laid out as the
-// attention takes them: queries [B, heads, n, D] (a key/value head's query heads one after another, as
-// `grouped_attention` folds them), keys and values [B, kv, n, D].
+// The rotary turn of each token's query and key heads in the q/k/v product: queries into `f.query`, keys and values
+// written into the layer's cache buffers [B, kv, capacity, D] behind the `f.length` cached.
 template <class T>
-void heads_of(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& query,
-              at::Tensor& keys, at::Tensor& values) {
-  const int64_t B = qkv.size(0), n = qkv.size(1), width = qkv.size(2), D = qkv.size(3);
-  const int64_t heads = query.size(1), kv = keys.size(1);
-  const T* qp = qkv.data_ptr<T>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < n; ++t) {
-      const T* token = qp + (b * n + t) * width * D;
-      const T* c = cos.data_ptr<T>() + (b * n + t) * D;
-      const T* s = sin.data_ptr<T>() + (b * n + t) * D;
-      for (int64_t head = 0; head < heads; ++head)
-        turn<T>(token + head * D, c, s, D, query.data_ptr<T>() + ((b * heads + head) * n + t) * D);
-      for (int64_t head = 0; head < kv; ++head) {
-        turn<T>(token + (heads + head) * D, c, s, D, keys.data_ptr<T>() + ((b * kv + head) * n + t) * D);
-        std::copy_n(token + (heads + kv + head) * D, D, values.data_ptr<T>() + ((b * kv + head) * n + t) * D);
+void heads_of(Forward& f, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kb, at::Tensor& vb) {
+  const int64_t D = f.D, width = (f.heads + 2 * f.kv) * D;
+  for (int64_t b = 0; b < f.B; ++b)
+    for (int64_t t = 0; t < f.n; ++t) {
+      const T* token = f.qkv.data_ptr<T>() + (b * f.n + t) * width;
+      const T* c = cos.data_ptr<T>() + (b * f.n + t) * D;
+      const T* s = sin.data_ptr<T>() + (b * f.n + t) * D;
+      for (int64_t head = 0; head < f.heads; ++head)
+        turn<T>(token + head * D, c, s, D, f.query.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * D);
+      for (int64_t head = 0; head < f.kv; ++head) {
+        const int64_t at = b * kb.stride(0) + head * kb.stride(1) + (f.length + t) * kb.stride(2);
+        turn<T>(token + (f.heads + head) * D, c, s, D, kb.data_ptr<T>() + at);
+        std::copy_n(token + (f.heads + f.kv + head) * D, D,
+                    vb.data_ptr<T>() + b * vb.stride(0) + head * vb.stride(1) + (f.length + t) * vb.stride(2));
       }
     }
 }
 
-// One decoder layer over the residual stream x [B, n, H], in place; h [B, n, H] a norm's output.
+// The attended heads [B, heads, n, D] side by side for each token: [B n, heads D].
 template <class T>
-void layer(at::Tensor& x, at::Tensor& h, int64_t index, at::IntArrayRef products, at::TensorList norms,
-           at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin, int64_t room, int64_t length,
-           const c10::optional<at::Tensor>& mask, double scale, const Shape& s) {
-  using hf_eagle31_rows::product;
-  const int64_t B = x.size(0), n = x.size(1), H = x.size(2), D = cos.size(-1);
-  norm_rows<T>(x, norms[2 * index], eps[2 * index], h);
-  const at::Tensor qkv = product(h, products[4 * index], (s.heads + 2 * s.kv_heads) * D, s.near)
-                             .view({B, n, s.heads + 2 * s.kv_heads, D});
-  at::Tensor query = at::empty({B, s.heads, n, D}, x.options());
-  at::Tensor keys = at::empty({B, s.kv_heads, n, D}, x.options()), values = at::empty_like(keys);
-  heads_of<T>(qkv, cos, sin, query, keys, values);
-  const at::Tensor attended = hf_eagle31_rows::attention_in_room(
-      query.view({B, s.kv_heads, s.heads / s.kv_heads * n, D}), keys, values, room, index, length, mask, scale);
-  const at::Tensor heads_out = n == 1 ? attended.view({B, 1, s.heads * D})
-                                      : attended.view({B, s.heads, n, D}).transpose(1, 2).reshape({B, n, s.heads * D});
-  const at::Tensor o = product(heads_out, products[4 * index + 1], H, s.near);
-  add_into<T>(x.data_ptr<T>(), o.data_ptr<T>(), x.numel());
-  norm_rows<T>(x, norms[2 * index + 1], eps[2 * index + 1], h);
-  const at::Tensor gate_up = product(h, products[4 * index + 2], 2 * s.intermediate, s.near);
-  at::Tensor gated = at::empty({B, n, s.intermediate}, x.options());
-  for (int64_t row = 0; row < B * n; ++row)
-    gate<T>(gate_up.data_ptr<T>() + row * 2 * s.intermediate, s.intermediate,
-            gated.data_ptr<T>() + row * s.intermediate);
-  const at::Tensor down = product(gated, products[4 * index + 3], H, s.near);
-  add_into<T>(x.data_ptr<T>(), down.data_ptr<T>(), x.numel());
+void merge_heads(const Forward& f) {
+  for (int64_t b = 0; b < f.B; ++b)
+    for (int64_t head = 0; head < f.heads; ++head)
+      for (int64_t t = 0; t < f.n; ++t)
+        std::copy_n(f.attended.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * f.D, f.D,
+                    f.merged.data_ptr<T>() + ((b * f.n + t) * f.heads + head) * f.D);
+}
+
+// One decoder layer over the residual stream, in place: `products` its four (q/k/v, o, gate/up, down), `norms` and
+// `eps` its two, `cache` its key and value buffers.
+template <class T>
+void layer(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tensor* norms, const double* eps,
+           std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
+  using hf_eagle31_rows::product_into;
+  norm_rows<T>(f.x, norms[0], eps[0], f.h);
+  product_into(f.h, products[0], f.qkv, f.near);
+  heads_of<T>(f, cos, sin, cache.first, cache.second);
+  const int64_t cached = f.length + f.n;
+  hf_eagle31_rows::attend_into(f.query, cache.first.narrow(2, 0, cached), cache.second.narrow(2, 0, cached), f.mask,
+                               f.scale, f.attended);
+  if (f.n > 1) merge_heads<T>(f);
+  product_into(f.merged, products[1], f.out, f.near);
+  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
+  norm_rows<T>(f.x, norms[1], eps[1], f.h);
+  product_into(f.h, products[2], f.gate_up, f.near);
+  for (int64_t row = 0; row < f.B * f.n; ++row)
+    gate<T>(f.gate_up.data_ptr<T>() + row * 2 * f.intermediate, f.intermediate,
+            f.gated.data_ptr<T>() + row * f.intermediate);
+  product_into(f.gated, products[3], f.out, f.near);
+  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
+}
+
+// The weights held under `key`, checked once a forward against what the layer multiplies them by.
+hf_eagle31_rows::Weights weights_for(int64_t key, int64_t in_features, int64_t out_features, at::ScalarType dtype) {
+  hf_eagle31_rows::Weights found = hf_eagle31_rows::held_weights(key);
+  for (const auto& w : found.weights)
+    TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == in_features && w.is_contiguous(),
+                "hf_eagle31_rows::step: contiguous ", dtype, " weights of ", in_features, " input features expected "
+                "under key ", key);
+  TORCH_CHECK(found.features == out_features, "hf_eagle31_rows::step: the weights under key ", key, " give ",
+              found.features, " features, not ", out_features);
+  return found;
+}
+
+// A layer's cache buffers in the room, checked once a forward: room for the block behind the cache.
+std::pair<at::Tensor, at::Tensor> cache_for(int64_t room, int64_t index, const Forward& f, at::ScalarType dtype) {
+  auto buffers = hf_eagle31_rows::room_layer(room, index);
+  for (const auto& buffer : {buffers.first, buffers.second})
+    TORCH_CHECK(buffer.dim() == 4 && buffer.scalar_type() == dtype && buffer.size(0) == f.B &&
+                    buffer.size(1) == f.kv && buffer.size(3) == f.D && buffer.stride(3) == 1 &&
+                    f.length + f.n <= buffer.size(2),
+                "hf_eagle31_rows::step: the cache buffers of layer ", index, " hold no room for ", f.n,
+                " more entries after ", f.length);
+  return buffers;
+}
+
+// The forward's buffers; the mask `mask` [B, 1, G n, length + n] expanded over the key/value heads.
+Forward forward_for(const at::Tensor& x, int64_t D, int64_t heads, int64_t kv, int64_t intermediate, int64_t length,
+                    const c10::optional<at::Tensor>& mask, double scale, int64_t near) {
+  const int64_t B = x.size(0), n = x.size(1), H = x.size(2), rows = B * n, G = heads / kv;
+  Forward f{B, n, H, D, heads, kv, intermediate, length, near, scale};
+  const auto options = x.options();
+  f.x = x.reshape({rows, H}).clone(at::MemoryFormat::Contiguous);
+  f.h = at::empty({rows, H}, options);
+  f.qkv = at::empty({rows, (heads + 2 * kv) * D}, options);
+  f.query = at::empty({B, kv, G * n, D}, options);
+  f.attended = at::empty_like(f.query);
+  f.merged = n == 1 ? f.attended.view({rows, heads * D}) : at::empty({rows, heads * D}, options);
+  f.out = at::empty({rows, H}, options);
+  f.gate_up = at::empty({rows, 2 * intermediate}, options);
+  f.gated = at::empty({rows, intermediate}, options);
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == x.scalar_type() && mask->dim() == 4 && mask->size(2) == G * n &&
+                    mask->size(3) == length + n,
+                "hf_eagle31_rows::step: an additive mask [B, 1, G n, length + n] in the input's dtype expected");
+    f.mask = mask->expand({B, kv, G * n, length + n});
+    if (f.mask.stride(3) != 1) f.mask = f.mask.contiguous();
+  }
+  return f;
 }
 
 // The decoder layers and final norm over a block of n tokens a row: x [B, n, H] (the embedding's), `products` four
@@ -154,25 +236,35 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
               "hf_eagle31_rows::step: cos and sin [B, n, D] in the input's dtype expected");
   for (const auto index : capture)
     TORCH_CHECK(index >= 0 && index <= layers, "hf_eagle31_rows::step: no state ", index, " to capture");
-  const Shape shape{heads, kv_heads, intermediate, near};
-  at::Tensor stream = x.contiguous().clone(), h = at::empty_like(stream);  // the residual stream, a norm's output
+  // below autograd's view and in-place tracking: nothing here is differentiated, and tracking each of a forward's
+  // small views and copies was a noticeable share of its time between the products
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, mask, scale, near);
+  std::vector<hf_eagle31_rows::Weights> weights;  // four a layer, looked up once a forward
+  for (int64_t index = 0; index < layers; ++index) {
+    weights.push_back(weights_for(products[4 * index], H, (heads + 2 * kv_heads) * D, dtype));
+    weights.push_back(weights_for(products[4 * index + 1], heads * D, H, dtype));
+    weights.push_back(weights_for(products[4 * index + 2], H, 2 * intermediate, dtype));
+    weights.push_back(weights_for(products[4 * index + 3], intermediate, H, dtype));
+  }
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
-  at::Tensor features = at::empty({B, n, static_cast<int64_t>(capture.size()) * H}, stream.options());
+  at::Tensor features = at::empty({B * n, static_cast<int64_t>(capture.size()) * H}, x.options());
   auto keep = [&](int64_t index, const at::Tensor& state) {
     for (size_t i = 0; i < capture.size(); ++i)
-      if (capture[i] == index) features.narrow(2, static_cast<int64_t>(i) * H, H).copy_(state);
+      if (capture[i] == index) features.narrow(1, static_cast<int64_t>(i) * H, H).copy_(state);
   };
   for (int64_t index = 0; index < layers; ++index) {
-    keep(index, stream);
+    keep(index, f.x);
+    auto cache = cache_for(room, index, f, dtype);
     if (dtype == at::kFloat)
-      layer<float>(stream, h, index, products, norms, eps, c, s, room, length, mask, scale, shape);
+      layer<float>(f, &weights[4 * index], &norms[2 * index], &eps[2 * index], cache, c, s);
     else
-      layer<at::BFloat16>(stream, h, index, products, norms, eps, c, s, room, length, mask, scale, shape);
+      layer<at::BFloat16>(f, &weights[4 * index], &norms[2 * index], &eps[2 * index], cache, c, s);
   }
-  if (dtype == at::kFloat) norm_rows<float>(stream, norms[2 * layers], eps[2 * layers], h);
-  else norm_rows<at::BFloat16>(stream, norms[2 * layers], eps[2 * layers], h);
-  keep(layers, h);
-  return {h, features};
+  if (dtype == at::kFloat) norm_rows<float>(f.x, norms[2 * layers], eps[2 * layers], f.h);
+  else norm_rows<at::BFloat16>(f.x, norms[2 * layers], eps[2 * layers], f.h);
+  keep(layers, f.h);
+  return {f.h.view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H})};
 }
 
 }  // namespace
