@@ -379,7 +379,6 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     cos, sin = (part.unsqueeze(2) for part in model.rotary_emb(x, position_ids=positions))  # over the heads
     keys, values, length = room.reserve(cache, n)
     config = model.config
-    mask = plan.additive_layer_mask(length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
     # one graph for every block size, none that equal another size by chance; one-token forwards compile a graph
     # of their own, so only a plain call's steps (`fast_decoding`: no features) take one, not an EAGLE call's rare
     # plain step (a fallback where drafting does not pay), which would stop to compile mid-call
@@ -393,6 +392,10 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     in_room = attends and (whole or n == 1 and (direct or not compiled))
     if in_room:
         room.hold_buffers()
+    # a one-token step of rows without pads or holes sees every cached key: the library's attention adds no mask
+    # (adding the zeros changes no score)
+    mask = None if in_room and n == 1 and plan.key_padding is None else plan.additive_layer_mask(
+        length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
     inputs = (x, cos, sin, None if in_room else keys, None if in_room else values, length, mask,
               tuple(target_layer_ids))
     if whole:
