@@ -25,16 +25,16 @@ DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [*range(1, MAX_ROWS + 1), 17, 40])  # 17, 40: further passes of 16
 @pytest.mark.parametrize("features", [(576, 1536), (1536, 577), (100, 7), (24, 3), (33, 13)])  # K, N tails
-@pytest.mark.parametrize("near", [0, -1])  # without and with the L1 prefetch at every row count
-def test_the_kernel_computes_torchs_product(rows, features, dtype, near):
+@pytest.mark.parametrize("ways", [0, 0xFFFF << 16, -1])  # side by side; a weight row at a time; that with the L1 prefetch
+def test_the_kernel_computes_torchs_product(rows, features, dtype, ways):
     in_features, out_features = features
     torch.manual_seed(rows)
     x = torch.randn(2, rows, in_features).to(dtype)  # leading dimensions kept
     weights = [torch.randn(out_features, in_features).to(dtype), torch.randn(5, in_features).to(dtype)]
     bias = torch.randn(out_features + 5).to(dtype)
     expected = F.linear(x[:1].float(), torch.cat(weights).float(), bias.float())  # the exact sums, in fp32
-    out = torch.ops.hf_eagle31_rows.linear(x[:1], weights, bias, near)
-    alone = torch.ops.hf_eagle31_rows.linear(x[:1], weights[:1], None, near)
+    out = torch.ops.hf_eagle31_rows.linear(x[:1], weights, bias, ways)
+    alone = torch.ops.hf_eagle31_rows.linear(x[:1], weights[:1], None, ways)
     assert out.dtype == alone.dtype == dtype and out.shape == expected.shape
     # fp32: sums in another order; bf16: each output rounded once to bf16 (8 bits), as torch's bf16 product does
     tolerance = dict(atol=2e-4 * in_features ** 0.5, rtol=1e-4) if dtype == torch.float32 else \
@@ -52,15 +52,16 @@ def test_the_kernel_computes_torchs_product(rows, features, dtype, near):
 def test_a_row_alone_gets_the_bits_it_gets_in_a_block(dtype):
     """A decoding step multiplies one row and a verify block several: the kernel reads the weights in another order
     for one row (one stream, rows_linear.cpp's `stream_rows`) but sums each output in the same order, so a token's
-    logits do not depend on whether it was verified alone or in a block; nor on whether the block prefetched into
-    L1 (`near`, a choice measured per row count: routes.py)."""
+    logits do not depend on whether it was verified alone or in a block; nor on how the block read the weights
+    (`ways`, choices measured per row count: routes.py)."""
     torch.manual_seed(0)
     x = torch.randn(16, 577).to(dtype)  # a tail of K past the vectors
     weights = [torch.randn(1000, 577).to(dtype), torch.randn(7, 577).to(dtype)]
     bias = torch.randn(1007).to(dtype)
     for count in (2, 9, 16):
         block = torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias)
-        assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias, -1), block)
+        for ways in (0xFFFF, 0xFFFF << 16, -1):  # with the L1 prefetch; a weight row at a time; both
+            assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias, ways), block)
         for row in (0, count - 1):
             assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[row : row + 1], weights, bias), block[row : row + 1])
 

@@ -255,20 +255,20 @@ def _norms(model: nn.Module) -> list[nn.Module] | None:
 _SILU = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
 
 
-def _product(key: int, x: torch.Tensor, out_features: int, direct: bool, near: int) -> torch.Tensor:
+def _product(key: int, x: torch.Tensor, out_features: int, direct: bool, ways: int) -> torch.Tensor:
     """The product under `key`. `direct`, in a compiled graph whose rows the rows kernel serves (a one-token step's
     count, `routes.on_kernel`; a block's, any count, `routes.serves_every_count`): the kernel itself on the weights
     and bias the rows library holds under the key (`CacheRoom.hold_weights`), the same call `Product.whole` makes
-    (`near`: the row counts it prefetches into L1 for, `routes.near`); the graph calls it through the dispatcher,
+    (`ways`: how it reads the weights at each row count, `routes.ways`); the graph calls it through the dispatcher,
     where `packed_product` calls back into Python at every product (a noticeable share of a step:
     docs/benchmarks.md)."""
     if not direct:
         return packed_product(key, x, out_features)
-    return torch.ops.hf_eagle31_rows.product(x, key, out_features, near)
+    return torch.ops.hf_eagle31_rows.product(x, key, out_features, ways)
 
 
 def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: tuple, length: int, mask: torch.Tensor,
-               rotate_half: Callable, qkv: int, o: int, direct: bool, near: int) -> torch.Tensor:
+               rotate_half: Callable, qkv: int, o: int, direct: bool, ways: int) -> torch.Tensor:
     # the packed product's heads `[B, n, queries + keys + values, D]`; the queries and keys turned at once, by
     # transformers' `apply_rotary_pos_emb` formula (the same products, half the operations);
     # the new keys and values written behind the cache: `cache`, the layer's keys and values in its room's buffers
@@ -276,7 +276,7 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: tuple, le
     # the rows library writes them there and attends)
     config, size = attention.config, attention.head_dim
     queries, kv = config.num_attention_heads, config.num_key_value_heads
-    heads = _product(qkv, x, (queries + 2 * kv) * size, direct, near).view(*x.shape[:-1], -1, size)
+    heads = _product(qkv, x, (queries + 2 * kv) * size, direct, ways).view(*x.shape[:-1], -1, size)
     turned = heads[:, :, : queries + kv]
     turned = turned * cos + rotate_half(turned) * sin
     new_keys, new_values = turned[:, :, queries:].transpose(1, 2), heads[:, :, queries + kv :].transpose(1, 2)
@@ -293,22 +293,22 @@ def _attention(attention: nn.Module, x: torch.Tensor, cos, sin, cache: tuple, le
         keys[:, :, length:] = new_keys
         values[:, :, length:] = new_values
         out = grouped_attention(query, keys, values, mask, attention.scaling)
-    return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, direct, near)
+    return _product(o, out.transpose(1, 2).reshape(*x.shape[:-1], -1), config.hidden_size, direct, ways)
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool, near: int) -> torch.Tensor:
+def _mlp(mlp: nn.Module, x: torch.Tensor, gate_up: int, down: int, direct: bool, ways: int) -> torch.Tensor:
     width = mlp.intermediate_size
-    gate, up = _product(gate_up, x, 2 * width, direct, near).split(width, dim=-1)
-    return _product(down, mlp.act_fn(gate) * up, mlp.hidden_size, direct, near)
+    gate, up = _product(gate_up, x, 2 * width, direct, ways).split(width, dim=-1)
+    return _product(down, mlp.act_fn(gate) * up, mlp.hidden_size, direct, ways)
 
 
 def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None, length: int, mask: torch.Tensor,
-             target_layer_ids: tuple[int, ...], direct: bool = False, near: int = 0, room: int | None = None
+             target_layer_ids: tuple[int, ...], direct: bool = False, ways: int = 0, room: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers and final norm over the block `x`: its last hidden states and the drafter's features.
     `products`: the model's `product_keys`, or None where traced (computed here, the keys are the graph's constants);
-    `direct`: traced, the rows kernel multiplies every product (`_product`, with `near`); `room`, in a one-token step,
+    `direct`: traced, the rows kernel multiplies every product (`_product`, with `ways`); `room`, in a one-token step,
     instead of `keys` and `values`: the key under which the rows library holds the cache's buffers, where it writes
     and attends (`_attention`)."""
     family, products = FAMILIES[type(model)], products or product_keys(model)
@@ -318,8 +318,8 @@ def _decoder(model: nn.Module, products: list[int] | None, x: torch.Tensor, cos:
         states[index] = x
         cache = (keys[index], values[index]) if room is None else (room, index)
         x = x + _attention(layer.self_attn, family.norm.forward(layer.input_layernorm, x), cos, sin, cache, length,
-                           mask, family.rotate_half, qkv, o, direct, near)
-        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down, direct, near)
+                           mask, family.rotate_half, qkv, o, direct, ways)
+        x = x + _mlp(layer.mlp, family.norm.forward(layer.post_attention_layernorm, x), gate_up, down, direct, ways)
     x = family.norm.forward(model.norm, x)
     states[model.config.num_hidden_layers] = x
     return x, torch.cat([states[i] for i in target_layer_ids], dim=-1) if target_layer_ids else None
@@ -367,7 +367,7 @@ def _whole_step(model: nn.Module, room: CacheRoom, x: torch.Tensor, cos: torch.T
     x, features = torch.ops.hf_eagle31_rows.step(
         x, room.products, weights, eps, cos, sin, room.key, length, mask, attention.scaling,
         config.num_attention_heads, config.num_key_value_heads, model.layers[0].mlp.intermediate_size,
-        target_layer_ids, routes.near(x.dtype))
+        target_layer_ids, routes.ways(x.dtype))
     return x, features if target_layer_ids else None
 
 
@@ -405,7 +405,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
             room.hold_weights(model)
         try:  # the norms' eps and the attention's scale as constants: as inputs dynamo restarted tracing (slow)
             with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
-                x, features = compiled_decoder()(model, None, *inputs, direct, routes.near(x.dtype),
+                x, features = compiled_decoder()(model, None, *inputs, direct, routes.ways(x.dtype),
                                                  room.key if in_room else None)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # no C++ compiler, or one inductor cannot use
             raise RuntimeError("inductor could not compile the target's forward (compile_verify=True, or "

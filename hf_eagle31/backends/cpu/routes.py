@@ -3,8 +3,10 @@
 Why: which of the rows kernel (rows.py), torch's product (MKL) and oneDNN's product over its reordered copy of the
 weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at
 a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does
-whether the kernel also prefetches into L1 (its `near`: faster at 1 and 8-16 rows on an AMD EPYC, 2-6 within a few
-percent either way), measured as a fourth implementation ("rows_near") at 1-16 rows. The first
+how the kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 1 and
+8-16 rows on an AMD EPYC, 2-6 within a few percent either way) and whether 2-16 rows read one weight row at a time
+(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 within 10% either way), measured as implementations of their
+own ("rows_near", "rows_single", "rows_single_near") at 1-16 rows. The first
 process that needs a dtype's routes times every implementation at every row count on a stream of weights larger
 than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
 build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
@@ -35,9 +37,11 @@ import torch.nn.functional as F
 from hf_eagle31.backends.cpu import rows
 from hf_eagle31.backends.cpu.rows import MAX_ROWS
 
-# the kernel, without and with its L1 prefetch; F.linear; oneDNN's product over its reordered copy of the weights
-IMPLEMENTATIONS = ("rows", "rows_near", "torch", "onednn")
-KERNEL = ("rows", "rows_near")
+# the kernel, its weights read side by side or a row at a time ("single"), without and with its L1 prefetch ("near");
+# F.linear; oneDNN's product over its reordered copy of the weights
+IMPLEMENTATIONS = ("rows", "rows_near", "rows_single", "rows_single_near", "torch", "onednn")
+KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near")
+SINGLE_BITS = 16  # `ways`: bit r - 1 for r rows near, bit SINGLE_BITS + r - 1 single (rows_linear.cpp)
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
 SHAPES = ((2816, 1024), (1024, 2816))  # [out, in]: a decoder's up and down projections, in turn
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size (its copies here and in products.py)
@@ -58,7 +62,7 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tenso
     measured fastest for its row count (`route`); oneDNN's over `packed`, the weights stacked and reordered."""
     how = route(x.numel() // x.shape[-1], x.dtype)
     if how in KERNEL:
-        return torch.ops.hf_eagle31_rows.linear(x, weights, bias, near(x.dtype))
+        return torch.ops.hf_eagle31_rows.linear(x, weights, bias, ways(x.dtype))
     if how == "onednn" and packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     out = torch.cat([F.linear(x, weight) for weight in weights], dim=-1)
@@ -76,16 +80,22 @@ def on_kernel(count: int, dtype: torch.dtype) -> bool:
     return route(count, dtype) in KERNEL
 
 
-def near(dtype: torch.dtype) -> int:
-    """The kernel's `near` in `dtype`: a bit for each row count of 1-16 (bit r - 1 for r rows) measured faster with the
-    L1 prefetch; the kernel applies it to every group of rows it multiplies, a block's past 16 rows included."""
-    return _near_bits(routes(dtype))
+def ways(dtype: torch.dtype) -> int:
+    """The kernel's `ways` in `dtype`: for each row count r of 1-16 measured faster with the L1 prefetch bit r - 1, and
+    faster reading one weight row at a time bit `SINGLE_BITS` + r - 1; the kernel applies them to every group of rows
+    it multiplies, a block's past 16 rows included."""
+    return _way_bits(routes(dtype))
 
 
 @functools.cache
-def _near_bits(chosen: tuple[str, ...]) -> int:
-    """`near` of one set of routes, worked out once: `linear` asks at every product."""
-    return sum(1 << index for index, how in enumerate(chosen[:MAX_ROWS]) if how == "rows_near")
+def _way_bits(chosen: tuple[str, ...]) -> int:
+    """`ways` of one set of routes, worked out once: `linear` asks at every product."""
+    return sum(_way_of(how) << index for index, how in enumerate(chosen[:MAX_ROWS]))
+
+
+def _way_of(how: str) -> int:
+    """An implementation's bits for one row count, at the count's own bit (shifted there by the caller)."""
+    return (1 if how.endswith("_near") else 0) | ((1 << SINGLE_BITS) if how.startswith("rows_single") else 0)
 
 
 def serves_every_count(dtype: torch.dtype) -> bool:
@@ -124,7 +134,7 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     kernel = rows.rows_kernel() and (dtype == torch.float32 or (dtype == torch.bfloat16 and rows.bf16_kernel()))
     onednn = torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    return tuple(name for name, usable in zip(IMPLEMENTATIONS, (kernel, kernel, True, onednn)) if usable)
+    return tuple(name for name, usable in zip(IMPLEMENTATIONS, (*(kernel,) * len(KERNEL), True, onednn)) if usable)
 
 
 def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[str, ...]:
@@ -154,7 +164,7 @@ def _read(path: Path, candidates: tuple[str, ...]) -> tuple[str, ...] | None:
         kept = json.loads(path.read_text())
         chosen, counts = tuple(kept["routes"]), tuple(kept["counts"])
         charged = "copy_seconds" in kept  # an older file chose oneDNN without its copy's cost: measured again
-        complete = set(candidates) <= set(kept["seconds"])  # an older file measured no "rows_near": measured again
+        complete = set(candidates) <= set(kept["seconds"])  # an older file, without some way: measured again
     except (OSError, ValueError, KeyError, TypeError):
         return None
     usable = counts == COUNTS and len(chosen) == len(COUNTS) and set(chosen) <= set(candidates)
@@ -201,8 +211,8 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
     for _ in range(REPEATS):
         for index in range(len(COUNTS)):
             for name in candidates:
-                if name == "rows_near" and COUNTS[index] > MAX_ROWS:  # past 16 rows, groups take their counts' bits
-                    continue
+                if name in KERNEL[1:] and (COUNTS[index] > MAX_ROWS or COUNTS[index] == 1 and "single" in name):
+                    continue  # past 16 rows groups take their counts' bits; one row is always read a row at a time
                 for slot, (weight, packed) in enumerate(weights):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
                     best[name][index][slot] = min(best[name][index][slot], taken)
@@ -241,7 +251,7 @@ def _time(name: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor
     """Seconds `name` takes to multiply `x` by `weight` (`packed`: oneDNN's copy of it)."""
     begun = time.perf_counter()
     if name in KERNEL:
-        torch.ops.hf_eagle31_rows.linear(x, [weight], None, -1 if name == "rows_near" else 0)
+        torch.ops.hf_eagle31_rows.linear(x, [weight], None, _way_of(name) * ((1 << MAX_ROWS) - 1))
     elif name == "onednn":
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     else:

@@ -63,7 +63,7 @@ struct Weights {
 Weights held_weights(int64_t key);
 
 // x [M, K] times `weights` into out [M, features] (both contiguous, x in the weights' dtype).
-void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t near);
+void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways);
 
 // Layer `layer`'s key and value buffers [B, G, capacity, D] of the cache room the library holds under `room`
 // (rows_attention.cpp's `hold_room`), held strongly while a forward runs.

@@ -9,10 +9,14 @@
 // hardware prefetcher alone leaves the memory idle during the multiplications. Into L2, not L1, and 16 rows
 // ahead: prefetched weights then do not evict the input rows from L1. One input row (a decoding step) reads the weight
 // rows one after another instead, a single stream the hardware prefetcher follows, with a light prefetch further
-// ahead: W rows read side by side are W short streams it barely catches (4-12% slower on an AMD EPYC). `near`, a
-// bit per row count (bit r - 1 for r rows, a group's count past 16 rows), also prefetches the weights a few lines
-// ahead into L1, so that loads wait less: on an AMD EPYC one row 3-7% and 8-16 rows 5-20% faster, 2-6 rows within a
-// few percent either way; which counts take it is measured on the machine (routes.py).
+// ahead: W rows read side by side are W short streams it barely catches (4-12% slower on an AMD EPYC).
+//
+// `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), two bits
+// for r rows: bit r - 1 (`near`) also prefetches the weights a few lines ahead into L1, so that loads wait less (on
+// an AMD EPYC one row 3-7% and 8-16 rows 5-20% faster, 2-6 rows within a few percent either way); bit 16 + r - 1
+// (`single`) reads one weight row at a time (W = 1) as one row does, a single stream, reloading the input rows from
+// L1 for every weight vector (on an AMD EPYC 2-8 bf16 rows 1.2-1.3x faster, fp32 rows within 10% either way). Every
+// way sums each output in the same order, so all give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -115,12 +119,12 @@ void stream_rows(const typename E::T* x, int64_t K, const typename E::T* w, cons
   }
 }
 
-// `n` weight rows against R <= 8 input rows (A), or against A and then B more, W weight rows at a time: the second
-// group reads the same W rows again, from L1.
-template <class E, int A, int B, bool L1, class O>
+// `n` weight rows against R <= 8 input rows (A), or against A and then B more, W weight rows at a time (one where
+// SINGLE): the second group reads the same W rows again, from L1.
+template <class E, int A, int B, bool L1, bool SINGLE, class O>
 void rows_of(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
              int64_t ldo) {
-  constexpr int W = A + B <= 6 ? 4 : 3;
+  constexpr int W = SINGLE ? 1 : A + B <= 6 ? 4 : 3;
   int64_t row = 0;
   for (; row + W <= n; row += W) {
     block<E, A, W, true, L1>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
@@ -134,41 +138,47 @@ void rows_of(const typename E::T* x, int64_t K, const typename E::T* w, const fl
   }
 }
 
-// `n` weight rows against a group of 1-16 input rows, with or without `near`'s prefetch (L1).
-template <class E, bool L1, class O>
+// `n` weight rows against a group of 1-16 input rows, with or without the prefetch into L1, a weight row at a time
+// or W side by side.
+template <class E, bool L1, bool SINGLE, class O>
 void group(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
            int64_t ldo) {
   switch (M) {
-    case 1: stream_rows<E, L1>(x, K, w, bias, n, out); break;
-    case 2: rows_of<E, 2, 0, L1>(x, K, w, bias, n, out, ldo); break;
-    case 3: rows_of<E, 3, 0, L1>(x, K, w, bias, n, out, ldo); break;
-    case 4: rows_of<E, 4, 0, L1>(x, K, w, bias, n, out, ldo); break;
-    case 5: rows_of<E, 5, 0, L1>(x, K, w, bias, n, out, ldo); break;
-    case 6: rows_of<E, 6, 0, L1>(x, K, w, bias, n, out, ldo); break;
-    case 7: rows_of<E, 7, 0, L1>(x, K, w, bias, n, out, ldo); break;
-    case 8: rows_of<E, 8, 0, L1>(x, K, w, bias, n, out, ldo); break;
-    case 9: rows_of<E, 5, 4, L1>(x, K, w, bias, n, out, ldo); break;
-    case 10: rows_of<E, 5, 5, L1>(x, K, w, bias, n, out, ldo); break;
-    case 11: rows_of<E, 6, 5, L1>(x, K, w, bias, n, out, ldo); break;
-    case 12: rows_of<E, 6, 6, L1>(x, K, w, bias, n, out, ldo); break;
-    case 13: rows_of<E, 7, 6, L1>(x, K, w, bias, n, out, ldo); break;
-    case 14: rows_of<E, 7, 7, L1>(x, K, w, bias, n, out, ldo); break;
-    case 15: rows_of<E, 8, 7, L1>(x, K, w, bias, n, out, ldo); break;
-    default: rows_of<E, 8, 8, L1>(x, K, w, bias, n, out, ldo); break;
+    case 1: stream_rows<E, L1>(x, K, w, bias, n, out); break;  // one row: always a single stream
+    case 2: rows_of<E, 2, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 3: rows_of<E, 3, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 4: rows_of<E, 4, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 5: rows_of<E, 5, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 6: rows_of<E, 6, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 7: rows_of<E, 7, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 8: rows_of<E, 8, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 9: rows_of<E, 5, 4, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 10: rows_of<E, 5, 5, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 11: rows_of<E, 6, 5, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 12: rows_of<E, 6, 6, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 13: rows_of<E, 7, 6, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 14: rows_of<E, 7, 7, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 15: rows_of<E, 8, 7, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    default: rows_of<E, 8, 8, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
   }
 }
 
+constexpr int SINGLE_BITS = 16;  // bit SINGLE_BITS + r - 1 of `ways`: r rows read one weight row at a time
+
 // `n` weight rows against every input row, 16 input rows at a time (more rows read the weights again); a group of
-// r rows prefetches into L1 where bit r - 1 of `near` is set.
+// r rows reads as bits r - 1 and SINGLE_BITS + r - 1 of `ways` say.
 template <class E, class O>
 void rows(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
-          int64_t ldo, int64_t near) {
+          int64_t ldo, int64_t ways) {
   for (int64_t m = 0; m < M; m += 16) {
     const int64_t count = std::min<int64_t>(16, M - m);
-    if ((near >> (count - 1)) & 1)
-      group<E, true>(x + m * K, count, K, w, bias, n, out + m * ldo, ldo);
-    else
-      group<E, false>(x + m * K, count, K, w, bias, n, out + m * ldo, ldo);
+    const bool near = (ways >> (count - 1)) & 1, single = (ways >> (SINGLE_BITS + count - 1)) & 1;
+    const auto* xm = x + m * K;
+    auto* om = out + m * ldo;
+    if (near && single) group<E, true, true>(xm, count, K, w, bias, n, om, ldo);
+    else if (near) group<E, true, false>(xm, count, K, w, bias, n, om, ldo);
+    else if (single) group<E, false, true>(xm, count, K, w, bias, n, om, ldo);
+    else group<E, false, false>(xm, count, K, w, bias, n, om, ldo);
   }
 }
 
@@ -176,7 +186,7 @@ void rows(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, 
 // split among the threads in one parallel region: a product of several weights (q/k/v, gate/up) starts and joins
 // the threads once, not once a weight (a SmolLM2 step's 210 weights in 120 products).
 template <class E>
-void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t near) {
+void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t ways) {
   using T = typename E::T;
   using O = typename E::T;  // the output in the input's type, as torch's product gives it
   const int64_t M = x2.size(0), K = x2.size(1), N = out.size(1);
@@ -194,7 +204,7 @@ void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias
       if (from >= to) continue;
       const int64_t row = from * C, rows_here = std::min(weights[i].size(0), to * C) - row;
       rows<E>(xp, M, K, weights[i].data_ptr<T>() + row * K, bias ? bias + column[i] + row : nullptr, rows_here,
-              op + column[i] + row, N, near);
+              op + column[i] + row, N, ways);
     }
   });
 }
@@ -207,10 +217,10 @@ bool bf16_kernel() {
 #endif
 }
 
-// x [..., K] times each weight [N_i, K], side by side in the output's last dimension, plus bias [sum N_i]; `near`:
-// the row counts whose groups also prefetch into L1 (bit r - 1 for r rows), the same sums either way.
+// x [..., K] times each weight [N_i, K], side by side in the output's last dimension, plus bias [sum N_i]; `ways`:
+// how a group of each row count reads the weights, the same sums every way.
 at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias,
-                       int64_t near) {
+                       int64_t ways) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && bf16_kernel()), "rows_linear: fp32 input expected",
               bf16_kernel() ? " (or bf16)" : "", ", got ", dtype);
@@ -229,9 +239,9 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
   }
   at::Tensor out = at::empty({M, N}, x2.options());
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
-  if (dtype == at::kFloat) linear_into<F32>(x2, weights, bp, out, near);
+  if (dtype == at::kFloat) linear_into<F32>(x2, weights, bp, out, ways);
 #ifdef __AVX512BF16__
-  else linear_into<BF16>(x2, weights, bp, out, near);
+  else linear_into<BF16>(x2, weights, bp, out, ways);
 #endif
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
@@ -292,19 +302,19 @@ Weights held_weights(int64_t key) {
   return found;
 }
 
-void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t near) {
+void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways) {
   const float* bias = weights.bias.defined() ? weights.bias.data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kFloat) linear_into<F32>(x, weights.weights, bias, out, near);
+  if (x.scalar_type() == at::kFloat) linear_into<F32>(x, weights.weights, bias, out, ways);
 #ifdef __AVX512BF16__
-  else linear_into<BF16>(x, weights.weights, bias, out, near);
+  else linear_into<BF16>(x, weights.weights, bias, out, ways);
 #endif
 }
 
 // x times the weights held under `key` (`hold`), plus their bias: `linear` on them.
-at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64_t near) {
+at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64_t ways) {
   const Weights weights = held_weights(key);
   at::Tensor out = rows_linear(x, weights.weights, weights.bias.defined() ? c10::optional<at::Tensor>(weights.bias)
-                                                                          : c10::nullopt, near);
+                                                                          : c10::nullopt, ways);
   TORCH_CHECK(out.size(-1) == out_features, "hf_eagle31_rows::product: the weights held under key ", key, " give ",
               out.size(-1), " features, not ", out_features);
   return out;
@@ -332,12 +342,12 @@ at::Tensor rows_linear_shape(const at::Tensor& x, at::TensorList weights, const 
 }  // namespace
 
 TORCH_LIBRARY(hf_eagle31_rows, m) {
-  m.def("linear(Tensor x, Tensor[] weights, Tensor? bias, int near=0) -> Tensor");
+  m.def("linear(Tensor x, Tensor[] weights, Tensor? bias, int ways=0) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(rows_linear));
   m.impl("linear", c10::DispatchKey::Meta, TORCH_FN(rows_linear_shape));
   m.def("bf16() -> bool", [] { return bf16_kernel(); });
   m.def("hold(int[] keys, int[] counts, Tensor[] weights, Tensor?[] biases) -> ()", hold);
-  m.def("product(Tensor x, int key, int out_features, int near) -> Tensor");
+  m.def("product(Tensor x, int key, int out_features, int ways) -> Tensor");
   m.impl("product", c10::DispatchKey::CPU, TORCH_FN(hf_eagle31_rows::product));
   m.impl("product", c10::DispatchKey::Meta, TORCH_FN(product_shape));
 }

@@ -90,7 +90,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Te
 
 // One forward's sizes and the buffers every layer reuses (B n rows of tokens), allocated once a forward.
 struct Forward {
-  int64_t B, n, H, D, heads, kv, intermediate, length, near;
+  int64_t B, n, H, D, heads, kv, intermediate, length, ways;  // ways: how products read (rows_linear.cpp)
   double scale;
   at::Tensor x, h;           // the residual stream, a norm's output [B n, H]
   at::Tensor qkv;            // [B n, (heads + 2 kv) D]
@@ -140,20 +140,20 @@ void layer(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tenso
            std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
   using hf_eagle31_rows::product_into;
   norm_rows<T>(f.x, norms[0], eps[0], f.h);
-  product_into(f.h, products[0], f.qkv, f.near);
+  product_into(f.h, products[0], f.qkv, f.ways);
   heads_of<T>(f, cos, sin, cache.first, cache.second);
   const int64_t cached = f.length + f.n;
   hf_eagle31_rows::attend_into(f.query, cache.first.narrow(2, 0, cached), cache.second.narrow(2, 0, cached), f.mask,
                                f.scale, f.attended);
   if (f.n > 1) merge_heads<T>(f);
-  product_into(f.merged, products[1], f.out, f.near);
+  product_into(f.merged, products[1], f.out, f.ways);
   add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
   norm_rows<T>(f.x, norms[1], eps[1], f.h);
-  product_into(f.h, products[2], f.gate_up, f.near);
+  product_into(f.h, products[2], f.gate_up, f.ways);
   for (int64_t row = 0; row < f.B * f.n; ++row)
     gate<T>(f.gate_up.data_ptr<T>() + row * 2 * f.intermediate, f.intermediate,
             f.gated.data_ptr<T>() + row * f.intermediate);
-  product_into(f.gated, products[3], f.out, f.near);
+  product_into(f.gated, products[3], f.out, f.ways);
   add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
 }
 
@@ -183,9 +183,9 @@ std::pair<at::Tensor, at::Tensor> cache_for(int64_t room, int64_t index, const F
 
 // The forward's buffers; the mask `mask` [B, 1, G n, length + n] expanded over the key/value heads.
 Forward forward_for(const at::Tensor& x, int64_t D, int64_t heads, int64_t kv, int64_t intermediate, int64_t length,
-                    const c10::optional<at::Tensor>& mask, double scale, int64_t near) {
+                    const c10::optional<at::Tensor>& mask, double scale, int64_t ways) {
   const int64_t B = x.size(0), n = x.size(1), H = x.size(2), rows = B * n, G = heads / kv;
-  Forward f{B, n, H, D, heads, kv, intermediate, length, near, scale};
+  Forward f{B, n, H, D, heads, kv, intermediate, length, ways, scale};
   const auto options = x.options();
   f.x = x.reshape({rows, H}).clone(at::MemoryFormat::Contiguous);
   f.h = at::empty({rows, H}, options);
@@ -216,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
                                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                                         int64_t room, int64_t length, const c10::optional<at::Tensor>& mask,
                                         double scale, int64_t heads, int64_t kv_heads, int64_t intermediate,
-                                        at::IntArrayRef capture, int64_t near) {
+                                        at::IntArrayRef capture, int64_t ways) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "hf_eagle31_rows::step: fp32 or bf16 expected, got ",
               dtype);
@@ -239,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
   // below autograd's view and in-place tracking: nothing here is differentiated, and tracking each of a forward's
   // small views and copies was a noticeable share of its time between the products
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, mask, scale, near);
+  Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, mask, scale, ways);
   std::vector<hf_eagle31_rows::Weights> weights;  // four a layer, looked up once a forward
   for (int64_t index = 0; index < layers; ++index) {
     weights.push_back(weights_for(products[4 * index], H, (heads + 2 * kv_heads) * D, dtype));
@@ -271,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
 
 TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
   m.def("step(Tensor x, int[] products, Tensor[] norms, float[] eps, Tensor cos, Tensor sin, int room, int length, "
-        "Tensor? mask, float scale, int heads, int kv_heads, int intermediate, int[] capture, int near) -> "
+        "Tensor? mask, float scale, int heads, int kv_heads, int intermediate, int[] capture, int ways) -> "
         "(Tensor, Tensor)");
   m.impl("step", c10::DispatchKey::CPU, TORCH_FN(step));
 }
