@@ -43,7 +43,10 @@ IMPLEMENTATIONS = ("rows", "rows_near", "rows_single", "rows_single_near", "torc
 KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near")
 SINGLE_BITS = 16  # `ways`: bit r - 1 for r rows near, bit SINGLE_BITS + r - 1 single (rows_linear.cpp)
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
-SHAPES = ((2816, 1024), (1024, 2816))  # [out, in]: a decoder's up and down projections, in turn
+# [out, in]: a 1B decoder's and a 135M decoder's up and down projections, in turn: which way reads fastest depends
+# on a weight row's length too (on an AMD EPYC 2-3 fp32 rows read a weight row at a time 1.05x faster at 1,024
+# features, 0.75-0.85x at 576)
+SHAPES = ((2816, 1024), (1024, 2816), (1536, 576), (576, 1536))
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size (its copies here and in products.py)
 PAST_MAX_ROWS = (32, 64, 128, 256, 512)  # the counts measured past MAX_ROWS; more than the last go as the last
 COUNTS = (*range(1, MAX_ROWS + 1), *PAST_MAX_ROWS)  # every row count measured, in order
