@@ -145,7 +145,8 @@ def test_reading_a_weight_row_at_a_time_serves_the_row_counts_it_was_measured_fa
     monkeypatch.setattr(routes, "available", lambda dtype: routes.KERNEL + ("torch",))
     timed = []
     timer = fake_timer({2: "rows_single", 3: "rows_single_near", 4: "rows_near", 5: "rows_single"})
-    monkeypatch.setattr(routes, "_time", lambda name, x, *args: timed.append((name, x.shape[0])) or timer(name, x, *args))
+    monkeypatch.setattr(routes, "_time",
+                        lambda name, x, *args: timed.append((name, x.shape[0])) or timer(name, x, *args))
     chosen = routes.routes(torch.float32)
     assert chosen[1:5] == ("rows_single", "rows_single_near", "rows_near", "rows_single")
     single = routes.SINGLE_BITS

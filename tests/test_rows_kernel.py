@@ -25,7 +25,8 @@ DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [*range(1, MAX_ROWS + 1), 17, 40])  # 17, 40: further passes of 16
 @pytest.mark.parametrize("features", [(576, 1536), (1536, 577), (100, 7), (24, 3), (33, 13)])  # K, N tails
-@pytest.mark.parametrize("ways", [0, 0xFFFF << 16, -1])  # side by side; a weight row at a time; that with the L1 prefetch
+# weights read side by side; a weight row at a time; that with the L1 prefetch
+@pytest.mark.parametrize("ways", [0, 0xFFFF << 16, -1])
 def test_the_kernel_computes_torchs_product(rows, features, dtype, ways):
     in_features, out_features = features
     torch.manual_seed(rows)

@@ -5,7 +5,7 @@ weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's on
 a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does
 how the kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 1 and
 8-16 rows on an AMD EPYC, 2-6 within a few percent either way) and whether 2-16 rows read one weight row at a time
-(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 within 10% either way), measured as implementations of their
+(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast), measured as implementations of their
 own ("rows_near", "rows_single", "rows_single_near") at 1-16 rows. The first
 process that needs a dtype's routes times every implementation at every row count on a stream of weights larger
 than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
@@ -44,8 +44,8 @@ KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near")
 SINGLE_BITS = 16  # `ways`: bit r - 1 for r rows near, bit SINGLE_BITS + r - 1 single (rows_linear.cpp)
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
 # [out, in]: a 1B decoder's and a 135M decoder's up and down projections, in turn: which way reads fastest depends
-# on a weight row's length too (on an AMD EPYC 2-3 fp32 rows read a weight row at a time 1.05x faster at 1,024
-# features, 0.75-0.85x at 576)
+# on a weight row's length too (on an AMD EPYC 2-3 fp32 rows read a weight row at a time were timed faster over
+# 1,024-feature rows and ran 0.7-0.85x as fast over SmolLM2's 576)
 SHAPES = ((2816, 1024), (1024, 2816), (1536, 576), (576, 1536))
 BATCH_HINT = 8  # rows oneDNN lays the weights out for: a verify block's size (its copies here and in products.py)
 PAST_MAX_ROWS = (32, 64, 128, 256, 512)  # the counts measured past MAX_ROWS; more than the last go as the last
