@@ -139,9 +139,9 @@ def test_the_kernels_l1_prefetch_serves_the_row_counts_it_was_measured_faster_at
 
 
 def test_reading_a_weight_row_at_a_time_serves_the_row_counts_it_was_measured_faster_at(monkeypatch, small_stream):
-    """2-8 bf16 rows ran 1.2-1.3x faster on an AMD EPYC reading one weight row at a time, fp32 rows within 10% either
-    way: per row count, measured (bit 16 + r - 1 of `routes.ways`), with or without the L1 prefetch. One row is read
-    a row at a time anyway, so it is not timed again."""
+    """2-8 bf16 rows ran 1.2-1.3x faster on an AMD EPYC reading one weight row at a time, fp32 rows 0.7-1.15x as fast:
+    per row count, measured (bit 16 + r - 1 of `routes.ways`), with or without the L1 prefetch. One row is read a row
+    at a time anyway, so it is not timed again."""
     monkeypatch.setattr(routes, "available", lambda dtype: routes.KERNEL + ("torch",))
     timed = []
     timer = fake_timer({2: "rows_single", 3: "rows_single_near", 4: "rows_near", 5: "rows_single"})
