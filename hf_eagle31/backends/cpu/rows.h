@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -54,13 +55,16 @@ inline __m512 exp16(__m512 x) {
 }
 
 // The weights and bias (fp32, or undefined) the library holds under a product's key (rows_linear.cpp's `hold`), held
-// strongly while a forward runs, and the features they give: looked up once a forward, not once a product.
+// strongly while a forward runs: looked up once a forward, not once a product.
 struct Weights {
   std::vector<at::Tensor> weights;
   at::Tensor bias;
-  int64_t features = 0;
 };
 Weights held_weights(int64_t key);
+
+// The output features of `weights`, each checked to be a contiguous [N_i, K] matrix in `dtype` (`who` names the
+// caller in the error).
+int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, const std::string& who);
 
 // x [M, K] times `weights` into out [M, features] (both contiguous, x in the weights' dtype).
 void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways);

@@ -188,7 +188,6 @@ at::Tensor attention_in_room(const at::Tensor& query, const at::Tensor& keys, co
   return rows_attention(query, kb.narrow(2, 0, length + n), vb.narrow(2, 0, length + n), mask, scale);
 }
 
-
 at::Tensor attention_in_room_shape(const at::Tensor& query, const at::Tensor&, const at::Tensor&, c10::SymInt,
                                    int64_t, c10::SymInt, const c10::optional<at::Tensor>&, double) {
   return at::empty_symint(query.sym_sizes(), query.options());

@@ -25,6 +25,7 @@
 #include "rows.h"
 
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -209,6 +210,14 @@ void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias
   });
 }
 
+// x2 [M, K] (contiguous) times the weights into out [M, sum N_i] (contiguous), in x2's dtype.
+void multiply(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t ways) {
+  if (x2.scalar_type() == at::kFloat) linear_into<F32>(x2, weights, bias, out, ways);
+#ifdef __AVX512BF16__
+  else linear_into<BF16>(x2, weights, bias, out, ways);
+#endif
+}
+
 bool bf16_kernel() {
 #ifdef __AVX512BF16__
   return true;
@@ -226,12 +235,7 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
               bf16_kernel() ? " (or bf16)" : "", ", got ", dtype);
   const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = x2.size(0), K = x2.size(1);
-  int64_t N = 0;
-  for (const auto& w : weights) {
-    TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
-                "rows_linear: contiguous ", dtype, " weights of ", K, " input features expected");
-    N += w.size(0);
-  }
+  const int64_t N = hf_eagle31_rows::features_of(weights, K, dtype, "rows_linear");
   at::Tensor b;  // fp32: added before the one rounding of each output
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "rows_linear: a bias of ", N, " features expected");
@@ -239,10 +243,7 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
   }
   at::Tensor out = at::empty({M, N}, x2.options());
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
-  if (dtype == at::kFloat) linear_into<F32>(x2, weights, bp, out, ways);
-#ifdef __AVX512BF16__
-  else linear_into<BF16>(x2, weights, bp, out, ways);
-#endif
+  multiply(x2, weights, bp, out, ways);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
   return out.view(shape);
@@ -251,8 +252,8 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const c10::o
 // The weights a compiled graph multiplies by, held under each product's key (products.py's `product_key`), so that
 // the graph names a product by its key instead of taking every weight as an input: inductor's entry into a graph
 // gathered and checked each of its inputs, about 2 us apiece (lean.py: `hold_weights`). The weights are held weakly
-// (a model deleted frees them; its entries are dropped at the next `hold`), a bias strongly (a product's stacked bias
-// is a copy only the entry owns).
+// (a model deleted frees them; its entries are dropped at the next `hold`), a bias strongly, in fp32 (a product's
+// stacked bias is a copy only the entry owns; fp32, as the products add it, converted once, not at each product).
 struct Held {
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> weights;
   c10::optional<at::Tensor> bias;
@@ -278,7 +279,8 @@ void hold(at::IntArrayRef keys, at::IntArrayRef counts, at::TensorList weights,
       TORCH_CHECK(next < weights.size(), "hold: fewer weights than the counts add up to");
       entry.weights.emplace_back(weights[next].getIntrusivePtr());
     }
-    entry.bias = biases.get(i);
+    const c10::optional<at::Tensor> bias = biases.get(i);
+    if (bias.has_value()) entry.bias = bias->to(at::kFloat).contiguous();
     held[keys[i]] = std::move(entry);
   }
 }
@@ -296,18 +298,23 @@ Weights held_weights(int64_t key) {
     auto strong = w.lock();
     TORCH_CHECK(strong, "hf_eagle31_rows: the weights held under key ", key, " were freed");
     found.weights.emplace_back(std::move(strong));
-    found.features += found.weights.back().size(0);
   }
-  if (entry->second.bias.has_value()) found.bias = entry->second.bias->to(at::kFloat).contiguous();
+  if (entry->second.bias.has_value()) found.bias = *entry->second.bias;
   return found;
 }
 
+int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, const std::string& who) {
+  int64_t features = 0;
+  for (const auto& w : weights) {
+    TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
+                who, ": contiguous ", dtype, " weights of ", K, " input features expected");
+    features += w.size(0);
+  }
+  return features;
+}
+
 void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways) {
-  const float* bias = weights.bias.defined() ? weights.bias.data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kFloat) linear_into<F32>(x, weights.weights, bias, out, ways);
-#ifdef __AVX512BF16__
-  else linear_into<BF16>(x, weights.weights, bias, out, ways);
-#endif
+  multiply(x, weights.weights, weights.bias.defined() ? weights.bias.data_ptr<float>() : nullptr, out, ways);
 }
 
 // x times the weights held under `key` (`hold`), plus their bias: `linear` on them.

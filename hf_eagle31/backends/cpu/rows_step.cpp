@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -160,12 +161,10 @@ void layer(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tenso
 // The weights held under `key`, checked once a forward against what the layer multiplies them by.
 hf_eagle31_rows::Weights weights_for(int64_t key, int64_t in_features, int64_t out_features, at::ScalarType dtype) {
   hf_eagle31_rows::Weights found = hf_eagle31_rows::held_weights(key);
-  for (const auto& w : found.weights)
-    TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == in_features && w.is_contiguous(),
-                "hf_eagle31_rows::step: contiguous ", dtype, " weights of ", in_features, " input features expected "
-                "under key ", key);
-  TORCH_CHECK(found.features == out_features, "hf_eagle31_rows::step: the weights under key ", key, " give ",
-              found.features, " features, not ", out_features);
+  const int64_t features = hf_eagle31_rows::features_of(found.weights, in_features, dtype,
+                                                        "hf_eagle31_rows::step (key " + std::to_string(key) + ")");
+  TORCH_CHECK(features == out_features, "hf_eagle31_rows::step: the weights under key ", key, " give ", features,
+              " features, not ", out_features);
   return found;
 }
 
