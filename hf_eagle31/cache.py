@@ -98,11 +98,16 @@ class DraftCache:
         self.version = next(self._versions)
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx not in self.layers:  # zeros, not empty: a hidden slot's value must not be NaN (0 * NaN)
+    def buffers(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s key and value buffers, made for entries like `key` and `value` `[B, heads, n, D]` at its
+        first update: zeros, not empty, as a hidden slot's value must not be NaN (0 * NaN)."""
+        if layer_idx not in self.layers:
             self.layers[layer_idx] = tuple(new.new_zeros(*new.shape[:2], self.capacity, new.shape[3])
                                            for new in (key, value))
-        keys, values = self.layers[layer_idx]
+        return self.layers[layer_idx]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.buffers(layer_idx, key, value)
         keys.index_copy_(2, self.at, key)
         values.index_copy_(2, self.at, value)
         return keys[:, :, : self.width], values[:, :, : self.width]

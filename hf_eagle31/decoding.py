@@ -197,7 +197,8 @@ class EagleLoop:
             drafted = speculation.controller.max_depth * speculation.tree_top_k  # the most draft nodes a step feeds
             capacity = input_ids.shape[1] + 256 + drafted  # grows by doubling
             self.state = DrafterState(drafter, self.batch_size, prepared.draft_products, capacity,
-                                      prepared.draft_replay if speculation.static_draft else None)
+                                      prepared.draft_replay if speculation.static_draft else None,
+                                      prepared.draft_forward)
         self.key_mask: torch.Tensor | None = None  # [B, cached]: False for a pad, later also for a hole
         self.padded = self.holed = False  # whether `key_mask` hides a pad, may hide a hole: known without reading it
         self.streamed = input_ids.shape[1]

@@ -12,6 +12,7 @@ nothing is read back, and a backend may replay the whole draft as captured, as C
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -19,11 +20,15 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from hf_eagle31.cache import DraftCache
-from hf_eagle31.modeling import Eagle3DraftModel, Products
+from hf_eagle31.modeling import Eagle3DraftModel, Eagle3DraftOutput, Products
 
 # a device backend's replay of a fixed-shape draft: `replay(draft, key, inputs)` returns `draft(*inputs)`, computed
 # by a capture made once per `key` and replayed; `key` is (the buffers' `DraftCache.version`, the draft's shape...)
 Replay = Callable[[Callable[..., tuple], Hashable, tuple[torch.Tensor, ...]], tuple]
+# a device backend's forward of the whole drafter, called as the drafter is here: `forward(ids, hidden, positions,
+# cache, mask, logits_to_keep=, logits_at=)` (logits_at a pair of index tensors) returns what the drafter's forward on
+# the backend's products returns, up to rounding
+DraftForward = Callable[..., Eagle3DraftOutput]
 
 
 class DrafterState:
@@ -41,9 +46,11 @@ class DrafterState:
     """
 
     def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1, products: Products | None = None,
-                 capacity: int = 256, replay: Replay | None = None):
+                 capacity: int = 256, replay: Replay | None = None, forward: DraftForward | None = None):
         self.drafter = drafter
-        self.products = products  # a device backend's products for the drafter's layers (modeling.linear_outputs)
+        # the drafter's forward: a device backend's whole (`forward`), else the modules' on the backend's products for
+        # its layers (modeling.linear_outputs)
+        self.forward = forward or functools.partial(drafter, products=products)
         self.replay = replay  # a device backend's replay of a fixed-shape draft (drafting with `static`)
         device = drafter.fc.weight.device
         self.cache = DraftCache(capacity)
@@ -97,8 +104,7 @@ class DrafterState:
         positions = (self.positions + level - 1)[:, None].expand_as(ids)
         mask = self._attend(columns[tail.shape[-1] - ids.shape[1] :], tail, columns,
                             None if static else self.length + tail.shape[-1])
-        return self.drafter(self.drafter.draft_to_target(ids), hidden, positions, self.cache, mask,
-                            products=self.products)
+        return self.forward(self.drafter.draft_to_target(ids), hidden, positions, self.cache, mask)
 
     @torch.no_grad()
     def catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,11 +125,11 @@ class DrafterState:
         causal = torch.ones(n, n, dtype=torch.bool, device=device).tril() & real[:, None, :]
         mask = self._attend(columns, causal, columns, self.length + n)
         if min(counts) == n:
-            out = self.drafter(tokens, features, positions, self.cache, mask, logits_to_keep=1, products=self.products)
+            out = self.forward(tokens, features, positions, self.cache, mask, logits_to_keep=1)
             hidden, logits = out.hidden_states[:, -1:], out.logits
         else:  # each row's last fed position, by index (a boolean mask would read its count back)
             last = torch.arange(batch, device=device), fed - 1
-            out = self.drafter(tokens, features, positions, self.cache, mask, logits_at=last, products=self.products)
+            out = self.forward(tokens, features, positions, self.cache, mask, logits_at=last)
             hidden, logits = out.hidden_states[last][:, None], out.logits[:, None]
         self.key_mask[:, self.length : self.length + n] = real
         self.length += n

@@ -4,6 +4,7 @@
     prepared.forward(**inputs)                                  # any other target forward of the call (the prefill)
     prepared.verify(cache, plan, tokens, positions, compiled)   # raw logits [B, n, V], features [B, n, 3 H_t]
     prepared.draft_products                                     # the drafter forward's `products`, or None
+    prepared.draft_forward                                      # the drafter's forward computed whole, or None
     prepared.draft_replay                                       # a fixed-shape draft's replay (CUDA graphs), or None
     prepared.compiled                                           # whether the verify forwards run as one inductor graph
 
@@ -27,7 +28,7 @@ from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers import Cache, PreTrainedModel
 
-from hf_eagle31.drafting import Replay
+from hf_eagle31.drafting import DraftForward, Replay
 from hf_eagle31.modeling import Eagle3DraftModel, Products
 from hf_eagle31.verification import verify_forward
 from hf_eagle31.verify_plan import VerifyPlan
@@ -52,6 +53,7 @@ class Prepared(TargetForwards):
     """What one call runs the target's forwards and the drafter's products on."""
 
     draft_products: Products | None = None
+    draft_forward: DraftForward | None = None
     draft_replay: Replay | None = None
 
 
@@ -65,6 +67,9 @@ class Backend(Protocol):
     def products(self, model: torch.nn.Module) -> Products | None:
         """Products for the model's linear layers (`modeling.linear_outputs`), None: its layers' own calls."""
 
+    def draft_forward(self, drafter: Eagle3DraftModel, products: Products | None) -> DraftForward | None:
+        """The drafter's forward for one call computed whole on `products` (this backend's), None: its modules'."""
+
     def draft_replay(self, drafter: Eagle3DraftModel) -> Replay | None:
         """How one call replays the drafter's fixed-shape drafts (`draft_mode="static"`), None: drafted eagerly."""
 
@@ -76,7 +81,9 @@ def prepare(backend: Backend, target: PreTrainedModel, drafter: Eagle3DraftModel
     forwards = vars(backend.target_forwards(target, layer_ids, compile_verify))
     if drafter is None:
         return Prepared(**forwards)
-    return Prepared(**forwards, draft_products=backend.products(drafter), draft_replay=backend.draft_replay(drafter))
+    products = backend.products(drafter)
+    return Prepared(**forwards, draft_products=products, draft_forward=backend.draft_forward(drafter, products),
+                    draft_replay=backend.draft_replay(drafter))
 
 
 class DefaultBackend:
@@ -92,6 +99,9 @@ class DefaultBackend:
         return TargetForwards(target, verify)
 
     def products(self, model: torch.nn.Module) -> None:
+        return None
+
+    def draft_forward(self, drafter: Eagle3DraftModel, products: Products | None) -> None:
         return None
 
     def draft_replay(self, drafter: Eagle3DraftModel) -> Replay | None:

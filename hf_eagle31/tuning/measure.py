@@ -26,7 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from hf_eagle31.backends import backend_for
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.configuration import SpeculationSettings
-from hf_eagle31.drafting import DrafterState, DraftTree, Replay, draft_tree
+from hf_eagle31.drafting import DrafterState, DraftForward, DraftTree, Replay, draft_tree
 from hf_eagle31.generation import checked_verify_mode, compiles_verify, eagle_verification, on_cpu_backend
 from hf_eagle31.modeling import Eagle3DraftModel, Products
 from hf_eagle31.tuning.predict import TuningReport, non_decreasing, rank_candidates
@@ -118,16 +118,17 @@ def target_step(target: PreTrainedModel) -> Callable[[], object]:
 @torch.no_grad()
 def draft_cost(drafter: Eagle3DraftModel, depth: int, top_k: int, context: int = 256, repeats: int = 5,
                batch_size: int = 1, before: Callable[[], object] | None = None,
-               products: Products | None = None, static: bool = False, replay: Replay | None = None) -> float:
+               products: Products | None = None, static: bool = False, replay: Replay | None = None,
+               forward: DraftForward | None = None) -> float:
     """Seconds to draft one EAGLE-2 tree of `depth` levels in each of `batch_size` rows (catch-up on one accepted
     token per row included), each tree timed after an untimed call of `before` (`target_step`: as decoding drafts),
-    on a backend's `products` for the drafter (None: its layers' own calls); `static` as `draft_tree`'s, replayed
-    by `replay` (a backend's `draft_replay`)."""
+    on a backend's `products` for the drafter (None: its layers' own calls) or its whole `forward` (`draft_forward`);
+    `static` as `draft_tree`'s, replayed by `replay` (a backend's `draft_replay`)."""
     device = drafter.device
     width = 3 * drafter.config.target_hidden_size
     features = torch.randn(batch_size, context, width, device=device, dtype=drafter.dtype)
     tokens = torch.randint(3, drafter.config.vocab_size, (batch_size, context), device=device)
-    state = DrafterState(drafter, batch_size, products, 2 * context + 64 * depth, replay)
+    state = DrafterState(drafter, batch_size, products, 2 * context + 64 * depth, replay, forward)
     for row in range(batch_size):
         state.push(features[row : row + 1], tokens[row : row + 1], row)
     state.catch_up()
@@ -213,7 +214,9 @@ def batch_costs(target: PreTrainedModel, drafter: Eagle3DraftModel, top_ks: list
             verify_on = backend.target_forwards(target, layer_ids, compiled).verify
             verify[batch] = {n: block_cost(cache, batch, n, verify_on) for n in BATCH_BLOCK_SIZES}
             products = backend.products(drafter)
-            draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target, products)
+            forward = backend.draft_forward(drafter, products)
+            draft[batch] = {k: {d: draft_cost(drafter, d, k, context, repeats, batch, after_target, products,
+                                              forward=forward)
                                 for d in range(1, max_depth + 1)} for k in top_ks}
     return {"verify_seconds": verify, "draft_seconds": draft, "plain_seconds": plain}
 
@@ -300,11 +303,13 @@ def choose_tree_shape(
                                                     compiled=compiles_verify(settings, cpu_backend))
             backend = backend_for(target, cpu_backend)
             products, replay = backend.products(drafter), backend.draft_replay(drafter)
+            forward = backend.draft_forward(drafter, products)
             # every width a candidate drafts (a family's smaller trees are narrower); narrowed, and static where the
             # device replays a static draft (a static draft that is not replayed drafts the same levels, never fewer)
             for static in (False, True) if replay is not None else (False,):
                 drafts[cpu_backend, static] = {w: {d: draft_cost(drafter, d, w, context=context, before=after_target,
-                                                          products=products, static=static, replay=replay)
+                                                          products=products, static=static, replay=replay,
+                                                          forward=forward)
                                             for d in range(1, max_depth + 1)}
                                         for w in range(1, max(ranks_by_top_k) + 1)}
         passes.append((curves, drafts, packing_cost(target, drafter) if True in paths else 0.0))

@@ -1,7 +1,8 @@
 """The CPU backend: the models' products held beside them (products.py: each row count on the implementation
 measured fastest for it on the machine, routes.py: the rows kernel over the weights as they are, torch's product, or
 oneDNN's reordered copies), and for a Llama, Mistral or Qwen2 target a verify forward without transformers' module
-dispatch (lean.py), eager or compiled (`compile_verify`, fast_decoding's `compile_step`)."""
+dispatch (lean.py), eager or compiled (`compile_verify`, fast_decoding's `compile_step`), and the drafter's forward
+computed whole (draft.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hf_eagle31.backends import TargetForwards
-from hf_eagle31.backends.cpu import lean
+from hf_eagle31.backends.cpu import draft, lean
 from hf_eagle31.backends.cpu.products import Products, can_pack, products_for
+from hf_eagle31.drafting import DraftForward
+from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.verification import verify_forward
 
 
@@ -44,6 +47,10 @@ class CpuBackend:
 
     def products(self, model: nn.Module) -> Products | None:
         return products_for(model) if can_pack(model) else None
+
+    def draft_forward(self, drafter: Eagle3DraftModel, products: Products | None) -> DraftForward | None:
+        """The rows library's, where it computes this drafter (draft.py)."""
+        return draft.whole_forward(drafter, products)
 
     def draft_replay(self, drafter: nn.Module) -> None:
         return None  # a CPU waits for nothing between levels: a static draft runs eagerly

@@ -247,12 +247,12 @@ def _norms(model: nn.Module) -> list[nn.Module] | None:
     """Every layer's two norms, then the final one, where the rows library can compute the model's forwards whole
     (rows_step.cpp): its MLPs gate by SiLU (transformers' "silu"); None elsewhere."""
     layers = model.layers[: model.config.num_hidden_layers]
-    if not all(type(layer.mlp.act_fn) in _SILU for layer in layers):
+    if not all(type(layer.mlp.act_fn) in SILU for layer in layers):
         return None
     return [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm]
 
 
-_SILU = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
+SILU = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
 
 
 def _product(key: int, x: torch.Tensor, out_features: int, direct: bool, ways: int) -> torch.Tensor:

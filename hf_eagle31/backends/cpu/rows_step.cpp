@@ -93,18 +93,20 @@ void norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Te
 struct Forward {
   int64_t B, n, H, D, heads, kv, intermediate, length, ways;  // ways: how products read (rows_linear.cpp)
   double scale;
+  int64_t attended;          // the cache entries each query attends over: length + n, or a drafter's slots
+  const int64_t* columns;    // where each token's key and value are written (a drafter's); null: behind `length`
   at::Tensor x, h;           // the residual stream, a norm's output [B n, H]
   at::Tensor qkv;            // [B n, (heads + 2 kv) D]
-  at::Tensor query, attended;  // [B, kv, G n, D]: a key/value head's G query heads' rows one after another, as
-                               // `grouped_attention` folds them
-  at::Tensor merged;         // the attended heads side by side [B n, heads D] (a view of `attended` for one token)
+  at::Tensor query, attended_heads;  // [B, kv, G n, D]: a key/value head's G query heads' rows one after another,
+                                     // as `grouped_attention` folds them
+  at::Tensor merged;         // the attended heads side by side [B n, heads D] (a view of them for one token)
   at::Tensor out;            // the o and down products [B n, H]
   at::Tensor gate_up, gated;  // [B n, 2 I], [B n, I]
   at::Tensor mask;           // the additive mask [B, kv, G n, length + n], or undefined
 };
 
 // The rotary turn of each token's query and key heads in the q/k/v product: queries into `f.query`, keys and values
-// written into the layer's cache buffers [B, kv, capacity, D] behind the `f.length` cached.
+// written into the layer's cache buffers [B, kv, capacity, D] behind the `f.length` cached (or at `f.columns`).
 template <class T>
 void heads_of(Forward& f, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kb, at::Tensor& vb) {
   const int64_t D = f.D, width = (f.heads + 2 * f.kv) * D;
@@ -115,11 +117,12 @@ void heads_of(Forward& f, const at::Tensor& cos, const at::Tensor& sin, at::Tens
       const T* s = sin.data_ptr<T>() + (b * f.n + t) * D;
       for (int64_t head = 0; head < f.heads; ++head)
         turn<T>(token + head * D, c, s, D, f.query.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * D);
+      const int64_t column = f.columns ? f.columns[t] : f.length + t;
       for (int64_t head = 0; head < f.kv; ++head) {
-        const int64_t at = b * kb.stride(0) + head * kb.stride(1) + (f.length + t) * kb.stride(2);
-        turn<T>(token + (f.heads + head) * D, c, s, D, kb.data_ptr<T>() + at);
+        turn<T>(token + (f.heads + head) * D, c, s, D,
+                kb.data_ptr<T>() + b * kb.stride(0) + head * kb.stride(1) + column * kb.stride(2));
         std::copy_n(token + (f.heads + f.kv + head) * D, D,
-                    vb.data_ptr<T>() + b * vb.stride(0) + head * vb.stride(1) + (f.length + t) * vb.stride(2));
+                    vb.data_ptr<T>() + b * vb.stride(0) + head * vb.stride(1) + column * vb.stride(2));
       }
     }
 }
@@ -130,8 +133,36 @@ void merge_heads(const Forward& f) {
   for (int64_t b = 0; b < f.B; ++b)
     for (int64_t head = 0; head < f.heads; ++head)
       for (int64_t t = 0; t < f.n; ++t)
-        std::copy_n(f.attended.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * f.D, f.D,
+        std::copy_n(f.attended_heads.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * f.D, f.D,
                     f.merged.data_ptr<T>() + ((b * f.n + t) * f.heads + head) * f.D);
+}
+
+// A layer's attention added to the residual stream: `input` (its norm's output) through `products` q/k/v and o,
+// `cache` its key and value buffers.
+template <class T>
+void attention(Forward& f, const at::Tensor& input, const hf_eagle31_rows::Weights* products,
+               std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
+  using hf_eagle31_rows::product_into;
+  product_into(input, products[0], f.qkv, f.ways);
+  heads_of<T>(f, cos, sin, cache.first, cache.second);
+  hf_eagle31_rows::attend_into(f.query, cache.first.narrow(2, 0, f.attended), cache.second.narrow(2, 0, f.attended),
+                               f.mask, f.scale, f.attended_heads);
+  if (f.n > 1) merge_heads<T>(f);
+  product_into(f.merged, products[1], f.out, f.ways);
+  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
+}
+
+// A layer's gated MLP added to the residual stream: its norm (`norm`, `eps`), `products` gate/up and down.
+template <class T>
+void mlp(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tensor& norm, double eps) {
+  using hf_eagle31_rows::product_into;
+  norm_rows<T>(f.x, norm, eps, f.h);
+  product_into(f.h, products[0], f.gate_up, f.ways);
+  for (int64_t row = 0; row < f.B * f.n; ++row)
+    gate<T>(f.gate_up.data_ptr<T>() + row * 2 * f.intermediate, f.intermediate,
+            f.gated.data_ptr<T>() + row * f.intermediate);
+  product_into(f.gated, products[1], f.out, f.ways);
+  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
 }
 
 // One decoder layer over the residual stream, in place: `products` its four (q/k/v, o, gate/up, down), `norms` and
@@ -139,23 +170,9 @@ void merge_heads(const Forward& f) {
 template <class T>
 void layer(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tensor* norms, const double* eps,
            std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
-  using hf_eagle31_rows::product_into;
   norm_rows<T>(f.x, norms[0], eps[0], f.h);
-  product_into(f.h, products[0], f.qkv, f.ways);
-  heads_of<T>(f, cos, sin, cache.first, cache.second);
-  const int64_t cached = f.length + f.n;
-  hf_eagle31_rows::attend_into(f.query, cache.first.narrow(2, 0, cached), cache.second.narrow(2, 0, cached), f.mask,
-                               f.scale, f.attended);
-  if (f.n > 1) merge_heads<T>(f);
-  product_into(f.merged, products[1], f.out, f.ways);
-  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
-  norm_rows<T>(f.x, norms[1], eps[1], f.h);
-  product_into(f.h, products[2], f.gate_up, f.ways);
-  for (int64_t row = 0; row < f.B * f.n; ++row)
-    gate<T>(f.gate_up.data_ptr<T>() + row * 2 * f.intermediate, f.intermediate,
-            f.gated.data_ptr<T>() + row * f.intermediate);
-  product_into(f.gated, products[3], f.out, f.ways);
-  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
+  attention<T>(f, f.h, products, cache, cos, sin);
+  mlp<T>(f, products + 2, norms[1], eps[1]);
 }
 
 // The weights held under `key`, checked once a forward against what the layer multiplies them by.
@@ -180,26 +197,27 @@ std::pair<at::Tensor, at::Tensor> cache_for(int64_t room, int64_t index, const F
   return buffers;
 }
 
-// The forward's buffers; the mask `mask` [B, 1, G n, length + n] expanded over the key/value heads.
+// The forward's buffers, its queries attending over `attended` cache entries; the mask `mask` [B, 1, G n, attended]
+// expanded over the key/value heads.
 Forward forward_for(const at::Tensor& x, int64_t D, int64_t heads, int64_t kv, int64_t intermediate, int64_t length,
-                    const c10::optional<at::Tensor>& mask, double scale, int64_t ways) {
+                    int64_t attended, const c10::optional<at::Tensor>& mask, double scale, int64_t ways) {
   const int64_t B = x.size(0), n = x.size(1), H = x.size(2), rows = B * n, G = heads / kv;
-  Forward f{B, n, H, D, heads, kv, intermediate, length, ways, scale};
+  Forward f{B, n, H, D, heads, kv, intermediate, length, ways, scale, attended, nullptr};
   const auto options = x.options();
   f.x = x.reshape({rows, H}).clone(at::MemoryFormat::Contiguous);
   f.h = at::empty({rows, H}, options);
   f.qkv = at::empty({rows, (heads + 2 * kv) * D}, options);
   f.query = at::empty({B, kv, G * n, D}, options);
-  f.attended = at::empty_like(f.query);
-  f.merged = n == 1 ? f.attended.view({rows, heads * D}) : at::empty({rows, heads * D}, options);
+  f.attended_heads = at::empty_like(f.query);
+  f.merged = n == 1 ? f.attended_heads.view({rows, heads * D}) : at::empty({rows, heads * D}, options);
   f.out = at::empty({rows, H}, options);
   f.gate_up = at::empty({rows, 2 * intermediate}, options);
   f.gated = at::empty({rows, intermediate}, options);
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == x.scalar_type() && mask->dim() == 4 && mask->size(2) == G * n &&
-                    mask->size(3) == length + n,
-                "hf_eagle31_rows::step: an additive mask [B, 1, G n, length + n] in the input's dtype expected");
-    f.mask = mask->expand({B, kv, G * n, length + n});
+                    mask->size(3) == attended,
+                "hf_eagle31_rows::step: an additive mask [B, 1, G n, ", attended, "] in the input's dtype expected");
+    f.mask = mask->expand({B, kv, G * n, attended});
     if (f.mask.stride(3) != 1) f.mask = f.mask.contiguous();
   }
   return f;
@@ -238,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
   // below autograd's view and in-place tracking: nothing here is differentiated, and tracking each of a forward's
   // small views and copies was a noticeable share of its time between the products
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, mask, scale, ways);
+  Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, length + n, mask, scale, ways);
   std::vector<hf_eagle31_rows::Weights> weights;  // four a layer, looked up once a forward
   for (int64_t index = 0; index < layers; ++index) {
     weights.push_back(weights_for(products[4 * index], H, (heads + 2 * kv_heads) * D, dtype));
@@ -266,6 +284,129 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
   return {f.h.view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H})};
 }
 
+
+// Each row of x [rows, F] normed in equal parts, one norm a part (`norms`, `eps`), into out.
+template <class T>
+void norm_parts(const at::Tensor& x, at::TensorList norms, at::ArrayRef<double> eps, at::Tensor& out) {
+  const int64_t F = x.size(1), width = F / static_cast<int64_t>(norms.size());
+  for (int64_t row = 0; row < x.size(0); ++row)
+    for (size_t part = 0; part < norms.size(); ++part)
+      rms_norm<T>(x.data_ptr<T>() + row * F + part * width, norms[part].data_ptr<T>(), width,
+                  static_cast<float>(eps[part]), out.data_ptr<T>() + row * F + part * width);
+}
+
+// The drafter's one layer and final norm over its residual stream `f.x`, its input being the embedding's norm and
+// the stream's side by side; `norms` and `eps`: hidden_norm, input_layernorm, post_attention_layernorm, norm.
+template <class T>
+void draft_layer(Forward& f, const at::Tensor& embeds, const hf_eagle31_rows::Weights* products,
+                 const at::Tensor* norms, const double* eps, bool norm_before_residual,
+                 std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t H = f.H;
+  at::Tensor input = at::empty({f.B * f.n, 2 * H}, f.x.options());
+  for (int64_t row = 0; row < f.B * f.n; ++row) {
+    T* both = input.data_ptr<T>() + row * 2 * H;
+    rms_norm<T>(embeds.data_ptr<T>() + row * H, norms[1].data_ptr<T>(), H, static_cast<float>(eps[1]), both);
+    rms_norm<T>(f.x.data_ptr<T>() + row * H, norms[0].data_ptr<T>(), H, static_cast<float>(eps[0]), both + H);
+    if (norm_before_residual) std::copy_n(both + H, H, f.x.data_ptr<T>() + row * H);
+  }
+  attention<T>(f, input, products, cache, cos, sin);
+  mlp<T>(f, products + 2, norms[2], eps[2]);
+  norm_rows<T>(f.x, norms[3], eps[3], f.h);
+}
+
+// The drafter's residual stream [B n, H]: the target features' norms (`fc_norms`) and fc where `project`, else the
+// fed-back states as they are.
+at::Tensor draft_stream(const at::Tensor& hidden, bool project, const hf_eagle31_rows::Weights& fc,
+                        at::TensorList fc_norms, at::ArrayRef<double> eps, int64_t H, int64_t ways) {
+  const at::Tensor states = hidden.reshape({-1, hidden.size(2)}).contiguous();
+  if (!project) return states;
+  at::Tensor normed = states;
+  if (!fc_norms.empty()) {
+    normed = at::empty_like(states);
+    if (states.scalar_type() == at::kFloat) norm_parts<float>(states, fc_norms, eps, normed);
+    else norm_parts<at::BFloat16>(states, fc_norms, eps, normed);
+  }
+  at::Tensor x = at::empty({states.size(0), H}, states.options());
+  hf_eagle31_rows::product_into(normed, fc, x, ways);
+  return x;
+}
+
+// An EAGLE drafter's forward with one decoder layer (modeling.py's `Eagle3DraftModel.forward`) over n positions a
+// row, whole, for the same reason as `step`: about 60 small operations a forward between its six products.
+// embeds [B, n, H] the tokens' embedding; hidden [B, n, F] the target's features (`project`: normed by the first
+// norms, `fc_norms` of them over equal parts of F, then fc) or fed-back states [B, n, H]; `products` six keys (fc,
+// q/k/v, o, gate/up, down, lm_head); `norms` and `eps` the fc norms, hidden_norm, input_layernorm,
+// post_attention_layernorm, norm; cos and sin [B, n, D]; keys and values [B, kv, capacity, D] the cache's buffers,
+// the n new entries written at `columns` [n], each query attending over the first `slots` entries where `mask`
+// [B, n, slots] (bool) is true; returns the head's logits at `logit_rows` (indices into the [B n] positions) and the
+// states to feed back [B, n, H] (the final norm's where `norm_output`).
+std::tuple<at::Tensor, at::Tensor> draft_step(const at::Tensor& embeds, const at::Tensor& hidden, bool project,
+                                              at::IntArrayRef products, at::TensorList norms, at::ArrayRef<double> eps,
+                                              bool norm_before_residual, bool norm_output, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values,
+                                              const at::Tensor& columns, const at::Tensor& mask,
+                                              const at::Tensor& logit_rows, double scale, int64_t heads,
+                                              int64_t kv_heads, int64_t intermediate, int64_t ways) {
+  const auto dtype = embeds.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && embeds.dim() == 3 && embeds.is_contiguous() &&
+                  hidden.scalar_type() == dtype && hidden.dim() == 3,
+              "hf_eagle31_rows::draft_step: embeddings [B, n, H] and states [B, n, F], fp32 or bf16, expected");
+  const int64_t B = embeds.size(0), n = embeds.size(1), H = embeds.size(2), D = cos.size(-1);
+  const int64_t slots = mask.size(-1), fc_count = static_cast<int64_t>(norms.size()) - 4;
+  TORCH_CHECK(products.size() == 6 && fc_count >= 0 && eps.size() == norms.size() && heads % kv_heads == 0 &&
+                  D % 2 == 0, "hf_eagle31_rows::draft_step: six products, the norms and their eps expected");
+  for (int64_t i = 0; i < static_cast<int64_t>(norms.size()); ++i)  // the fc norms' parts of the features projected
+    TORCH_CHECK(norms[i].scalar_type() == dtype && norms[i].is_contiguous() &&
+                    (i < fc_count ? !project || norms[i].numel() * fc_count == hidden.size(2) : norms[i].numel() == H),
+                "hf_eagle31_rows::draft_step: norm ", i, " has the wrong size or dtype");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.numel() == B * n * D &&
+                  sin.numel() == B * n * D, "hf_eagle31_rows::draft_step: cos and sin [B, n, D] expected");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 3 && mask.size(0) == B && mask.size(1) == n &&
+                  columns.scalar_type() == at::kLong && columns.numel() == n && logit_rows.scalar_type() == at::kLong,
+              "hf_eagle31_rows::draft_step: a bool mask [B, n, slots], n long columns and long logit rows expected");
+  const at::Tensor where = columns.contiguous();
+  for (const auto& buffer : {keys, values}) {
+    TORCH_CHECK(buffer.dim() == 4 && buffer.scalar_type() == dtype && buffer.size(0) == B &&
+                    buffer.size(1) == kv_heads && buffer.size(3) == D && buffer.stride(3) == 1 &&
+                    slots <= buffer.size(2),
+                "hf_eagle31_rows::draft_step: cache buffers [B, kv, capacity, D] holding every slot expected");
+    for (int64_t t = 0; t < n; ++t)
+      TORCH_CHECK(where.data_ptr<int64_t>()[t] >= 0 && where.data_ptr<int64_t>()[t] < buffer.size(2),
+                  "hf_eagle31_rows::draft_step: column ", where.data_ptr<int64_t>()[t], " outside the cache");
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  std::vector<hf_eagle31_rows::Weights> weights;
+  if (project) weights.push_back(weights_for(products[0], hidden.size(2), H, dtype));
+  else weights.emplace_back();
+  weights.push_back(weights_for(products[1], 2 * H, (heads + 2 * kv_heads) * D, dtype));
+  weights.push_back(weights_for(products[2], heads * D, H, dtype));
+  weights.push_back(weights_for(products[3], H, 2 * intermediate, dtype));
+  weights.push_back(weights_for(products[4], intermediate, H, dtype));
+  weights.push_back(hf_eagle31_rows::held_weights(products[5]));
+  const int64_t vocabulary = hf_eagle31_rows::features_of(weights[5].weights, H, dtype, "hf_eagle31_rows::draft_step");
+  TORCH_CHECK(project || hidden.size(2) == H, "hf_eagle31_rows::draft_step: fed-back states of ", H, " features");
+  const at::Tensor x = draft_stream(hidden, project, weights[0], norms.slice(0, fc_count), eps.slice(0, fc_count), H,
+                                    ways);
+  // each query head of a group sees what its position sees (`grouped_attention`'s fold)
+  const int64_t G = heads / kv_heads;
+  const at::Tensor additive = at::zeros({B, 1, 1, n, slots}, embeds.options())
+                                  .masked_fill_(mask.logical_not().view({B, 1, 1, n, slots}), -INFINITY)
+                                  .expand({B, 1, G, n, slots}).reshape({B, 1, G * n, slots});
+  Forward f = forward_for(x.view({B, n, H}), D, heads, kv_heads, intermediate, 0, slots, additive, scale, ways);
+  f.columns = where.data_ptr<int64_t>();
+  std::pair<at::Tensor, at::Tensor> cache{keys, values};
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  if (dtype == at::kFloat)
+    draft_layer<float>(f, embeds, &weights[1], &norms[fc_count], &eps[fc_count], norm_before_residual, cache, c, s);
+  else
+    draft_layer<at::BFloat16>(f, embeds, &weights[1], &norms[fc_count], &eps[fc_count], norm_before_residual, cache,
+                              c, s);
+  const at::Tensor chosen = f.h.index_select(0, logit_rows);
+  at::Tensor logits = at::empty({chosen.size(0), vocabulary}, chosen.options());
+  hf_eagle31_rows::product_into(chosen, weights[5], logits, ways);
+  return {logits, (norm_output ? f.h : f.x).view({B, n, H})};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
@@ -273,4 +414,9 @@ TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
         "Tensor? mask, float scale, int heads, int kv_heads, int intermediate, int[] capture, int ways) -> "
         "(Tensor, Tensor)");
   m.impl("step", c10::DispatchKey::CPU, TORCH_FN(step));
+  m.def("draft_step(Tensor embeds, Tensor hidden, bool project, int[] products, Tensor[] norms, float[] eps, "
+        "bool norm_before_residual, bool norm_output, Tensor cos, Tensor sin, Tensor keys, Tensor values, "
+        "Tensor columns, Tensor mask, Tensor logit_rows, float scale, int heads, int kv_heads, int intermediate, "
+        "int ways) -> (Tensor, Tensor)");
+  m.impl("draft_step", c10::DispatchKey::CPU, TORCH_FN(draft_step));
 }
