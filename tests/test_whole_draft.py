@@ -18,12 +18,14 @@ VARIANTS = {  # drafter layouts the module forward defines: EAGLE 3.1, EAGLE-3, 
     "eagle3": dict(eagle31=False),
     "norm before fc": dict(eagle31=False, norm_before_fc=True),
     "norm before residual": dict(eagle31=True, norm_before_residual=True),
+    "biases": dict(eagle31=True, attention_bias=True, mlp_bias=True),
 }
 
 
 def drafted(drafter, forward) -> list[torch.Tensor]:
     """What a state drafting on `forward` (None: the modules') computes from the same features: a two-row catch-up on
-    the prompts, a tree in each row, an uneven catch-up (logits picked by index), and the cache buffers after."""
+    the prompts, a tree in each row, a static one (every cache slot attended), an uneven catch-up (logits picked by
+    index), and the cache buffers after."""
     torch.manual_seed(0)
     width = drafter.fc.in_features
     features = torch.randn(2, 12, width).to(drafter.dtype)
@@ -35,6 +37,9 @@ def drafted(drafter, forward) -> list[torch.Tensor]:
     for row in range(2):
         state.push(features[row : row + 1, 8:9], tokens[row : row + 1, 8:9], row)
     trees = draft_tree(state, tokens[:, 8], depth=3, top_k=3, total_tokens=6)
+    for row in range(2):
+        state.push(features[row : row + 1, 9:10], tokens[row : row + 1, 9:10], row)
+    trees += draft_tree(state, tokens[:, 9], depth=3, top_k=3, total_tokens=6, static=True)
     state.push(features[:1, 9:12], tokens[:1, 9:12], 0)
     state.push(features[1:, 9:10], tokens[1:, 9:10], 1)
     last = state.catch_up()
@@ -45,6 +50,10 @@ def drafted(drafter, forward) -> list[torch.Tensor]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_whole_forward_computes_the_module_forward_fp32(variant):
     drafter = make_drafter(make_target(), **VARIANTS[variant])
+    with torch.no_grad():
+        for bias in (module.bias for module in drafter.modules() if isinstance(module, torch.nn.Linear)):
+            if bias is not None:
+                bias.normal_()
     forward = CPU.draft_forward(drafter, CPU.products(drafter))
     assert forward is not None
     modules, whole = drafted(drafter, None), drafted(drafter, forward)

@@ -9,6 +9,7 @@ after a target forward, as decoding drafts (`tuning.target_step`).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -40,22 +41,25 @@ def measure(target, layer_ids: list[int], rounds: int = 5, context: int = 256, c
 
 
 def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10,
-                before: Callable[[], object] | None = None, products=None) -> dict:
-    """Seconds per draft level of a `top_k` tree `depth` levels deep: in all, and in the drafter's forward.
+                before: Callable[[], object] | None = None, products=None, forward=None) -> dict:
+    """Seconds per draft level of a `top_k` tree `depth` levels deep: in all, and in the drafter's forward (a backend's
+    whole `forward`, else its modules' on `products`).
 
     Best of `repeats` trees, as the verify costs and the tuner time theirs, each after an untimed call of `before`;
     a tree's catch-up forward on the accepted token counts as its first level. The set-up (the drafter catching up
     on the whole context) and the warm-up tree are left out.
     """
-    spans: list[list[float]] = []  # [start, end] of each drafter forward
-    hooks = [drafter.register_forward_pre_hook(lambda *_: spans.append([time.perf_counter(), 0.0])),
-             drafter.register_forward_hook(lambda *_: spans[-1].__setitem__(1, time.perf_counter()))]
-    try:
-        tree = draft_cost(drafter, depth, top_k, repeats=repeats, before=before, products=products)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    forwards = [sum(end - start for start, end in spans[i : i + depth]) for i in range(1 + depth, len(spans), depth)]
+    spans: list[float] = []  # each drafter forward's seconds
+    inner = forward or functools.partial(drafter, products=products)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        spans.append(time.perf_counter() - start)
+        return out
+
+    tree = draft_cost(drafter, depth, top_k, repeats=repeats, before=before, products=products, forward=timed)
+    forwards = [sum(spans[i : i + depth]) for i in range(1 + depth, len(spans), depth)]
     return {"level": tree / depth, "forward": min(forwards) / depth}
 
 
@@ -108,12 +112,15 @@ def run_verify_cost_study(target, drafters: dict, args, meta: dict) -> int:
     for dtype in dict.fromkeys([target.dtype, torch.bfloat16]):  # a bf16 drafter beside an fp32 target too
         drafter.to(dtype)
         for name, pack in PATHS.items():
-            products = backend_for(target, pack).products(drafter)
+            backend = backend_for(target, pack)
+            products = backend.products(drafter)
             if pack and products is None:
                 continue
+            forward = backend.draft_forward(drafter, products)
             for width, depth in trees:
                 label = f"{name}, {str(dtype).removeprefix('torch.')} drafter, tree {width} wide, {depth} levels"
-                drafting[label] = draft_split(drafter, depth, width, before=after_target, products=products)
+                drafting[label] = draft_split(drafter, depth, width, before=after_target, products=products,
+                                              forward=forward)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost_paths.json").write_text(json.dumps({**meta, "seconds": seconds, "draft_level_seconds": drafting},
