@@ -1,7 +1,7 @@
 """Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16), built once
 per machine and compiler (rows_linear.cpp), and in the same library the attention of a few query rows over a cache
 (rows_attention.cpp: a one-token step's, `lean._attention`) and a Llama-family forward of a few tokens a row whole
-(rows_step.cpp: `lean._whole_step`).
+(rows_step.cpp: `lean._whole_step`), an EAGLE drafter's too (`draft.whole_forward`).
 
 Why: on a CPU a decoding step multiplies 1 row, and a verify forward 2-16 rows, by every weight of the target, so a
 step is bound by streaming the weights. torch's fp32 path (MKL) and oneDNN's reordered copies compute the rows while

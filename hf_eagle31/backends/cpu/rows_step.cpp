@@ -1,7 +1,7 @@
 // A Llama-family target's forward over a few tokens a row (a decoding step's one, a verify block's), whole: every
 // decoder layer's norms, rotary turn, residual adds and gated activation computed here, between its products on the
 // weights the library holds (rows_linear.cpp) and its attention in the cache room the library holds
-// (rows_attention.cpp).
+// (rows_attention.cpp); and an EAGLE drafter's forward of one layer the same way (`draft_step`, draft.py).
 //
 // Why: between a forward's 120 products, the lean forward (lean.py) runs about 30 small torch operations a layer, a
 // few microseconds of Python and dispatch each for a few hundred numbers, while the memory waits; compiled,
@@ -102,7 +102,7 @@ struct Forward {
   at::Tensor merged;         // the attended heads side by side [B n, heads D] (a view of them for one token)
   at::Tensor out;            // the o and down products [B n, H]
   at::Tensor gate_up, gated;  // [B n, 2 I], [B n, I]
-  at::Tensor mask;           // the additive mask [B, kv, G n, length + n], or undefined
+  at::Tensor mask;           // the additive mask [B, kv, G n, attended], or undefined
 };
 
 // The rotary turn of each token's query and key heads in the q/k/v product: queries into `f.query`, keys and values
