@@ -31,6 +31,13 @@ Replay = Callable[[Callable[..., tuple], Hashable, tuple[torch.Tensor, ...]], tu
 DraftForward = Callable[..., Eagle3DraftOutput]
 
 
+def forward_of(drafter: Eagle3DraftModel, products: Products | None = None,
+               forward: DraftForward | None = None) -> DraftForward:
+    """The drafter's forward as drafting calls it: a device backend's whole `forward`, else the modules' on the
+    backend's `products` for its layers (modeling.linear_outputs; None: the layers' own calls)."""
+    return forward or functools.partial(drafter, products=products)
+
+
 class DrafterState:
     """The drafter's KV cache for a batch of rows, kept in step with what the target has accepted.
 
@@ -48,9 +55,7 @@ class DrafterState:
     def __init__(self, drafter: Eagle3DraftModel, batch_size: int = 1, products: Products | None = None,
                  capacity: int = 256, replay: Replay | None = None, forward: DraftForward | None = None):
         self.drafter = drafter
-        # the drafter's forward: a device backend's whole (`forward`), else the modules' on the backend's products for
-        # its layers (modeling.linear_outputs)
-        self.forward = forward or functools.partial(drafter, products=products)
+        self.forward = forward_of(drafter, products, forward)
         self.replay = replay  # a device backend's replay of a fixed-shape draft (drafting with `static`)
         device = drafter.fc.weight.device
         self.cache = DraftCache(capacity)

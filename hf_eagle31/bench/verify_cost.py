@@ -9,7 +9,6 @@ after a target forward, as decoding drafts (`tuning.target_step`).
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hf_eagle31.backends import backend_for
-from hf_eagle31.drafting import drafting_width
+from hf_eagle31.drafting import drafting_width, forward_of
 from hf_eagle31.tuning import draft_cost, target_step, verify_cost_curve
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -50,7 +49,7 @@ def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10,
     on the whole context) and the warm-up tree are left out.
     """
     spans: list[float] = []  # each drafter forward's seconds
-    inner = forward or functools.partial(drafter, products=products)
+    inner = forward_of(drafter, products, forward)
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
