@@ -31,6 +31,15 @@ LAYER_IDS = [1, 3, 6]  # 6: the last, the final norm's output (transformers' las
 TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
 
 
+def prefilled(target, prompts, attention_mask, tree):
+    """The target's cache after `prompts` and the plan of a verify block shaped `tree` after them."""
+    cache = DynamicCache(config=target.config)
+    target(prompts, attention_mask=attention_mask, **{CACHE_KWARG: cache})
+    plan = VerifyPlan.for_cache(tree.expand(len(prompts), -1, -1), cache, "batched", attention_mask.bool(),
+                                prompts.shape[1], len(prompts))
+    return cache, plan
+
+
 def both_forwards(target, prompts, attention_mask):
     """The same verify block after the same prefix, through transformers' forward and the lean one, with the
     caches each left behind."""
@@ -38,10 +47,7 @@ def both_forwards(target, prompts, attention_mask):
     for lean in (False, True):
         with torch.no_grad(), eagle_verification(target):
             products = Products(target)
-            cache = DynamicCache(config=target.config)
-            target(prompts, attention_mask=attention_mask, **{CACHE_KWARG: cache})
-            plan = VerifyPlan.for_cache(TREE.expand(len(prompts), -1, -1), cache, "batched", attention_mask.bool(),
-                                        prompts.shape[1], len(prompts))
+            cache, plan = prefilled(target, prompts, attention_mask, TREE)
             assert llama_verify.fits(target, products) and llama_verify.fits_step(cache, plan)
             tokens = torch.tensor([[5, 9, 17, 33, 65]]).expand(len(prompts), -1)
             positions = attention_mask.sum(-1, keepdim=True) + torch.tensor([[0, 1, 1, 2, 2]])
@@ -183,10 +189,7 @@ def lean_forward(target, whole: bool, block: bool):
     positions = attention_mask.sum(-1, keepdim=True) + torch.tensor([[0, 1, 1, 2, 2][: len(tree)]])
     with torch.no_grad(), eagle_verification(target):
         products = Products(target)
-        cache = DynamicCache(config=target.config)
-        target(prompts, attention_mask=attention_mask, **{CACHE_KWARG: cache})
-        plan = VerifyPlan.for_cache(tree.expand(2, -1, -1), cache, "batched", attention_mask.bool(), prompts.shape[1],
-                                    len(prompts))
+        cache, plan = prefilled(target, prompts, attention_mask, tree)
         with products.active(mode=False):
             room = llama_verify.room_for(target, products)
             if not whole:
