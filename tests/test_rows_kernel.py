@@ -229,6 +229,19 @@ def test_a_later_process_loads_the_built_library_without_torchs_builder():
     assert "kernel True" in done.stdout and "did not build" not in done.stderr
 
 
+@needs_kernel
+@pytest.mark.parametrize("policy", ["PASSIVE", "active", None])
+def test_sleeping_openmp_workers_are_named_once_when_the_kernel_loads(policy):
+    """`OMP_WAIT_POLICY=PASSIVE` made every product wake a sleeping worker: a step 2-3x slower, and nothing said why."""
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy is not None:
+        environment["OMP_WAIT_POLICY"] = policy
+    code = "from hf_eagle31.backends.cpu.rows import rows_kernel; print('kernel', rows_kernel(), rows_kernel())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
+    assert done.returncode == 0 and "kernel True True" in done.stdout, done.stderr[-2000:]
+    assert done.stderr.count("OMP_WAIT_POLICY=PASSIVE makes OpenMP") == (policy == "PASSIVE")
+
+
 def test_the_build_is_keyed_by_source_compiler_torch_and_cpu_not_by_environment(monkeypatch):
     key = rows.build_key()
     monkeypatch.setattr(sys, "prefix", "/another/environment")

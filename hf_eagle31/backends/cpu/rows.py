@@ -62,9 +62,24 @@ def rows_kernel() -> bool:
     try:
         if not _LOADED:
             _LOADED.append(_load(build_directory()))
+            if _LOADED[0]:
+                warn_if_threads_sleep()
     finally:
         _BUILDING.release()
     return _LOADED[0]
+
+
+def warn_if_threads_sleep() -> None:
+    """Warn where the environment makes OpenMP's worker threads sleep between parallel regions.
+
+    Why: a decoding step on the kernel runs one parallel region a product (~120 for a 30-layer model), each a few
+    tens of microseconds; a worker woken for each spent more than the product itself (`OMP_WAIT_POLICY=PASSIVE`: a
+    SmolLM2 step's whole forward 2.4-2.9x slower). OpenMP reads the setting when the process starts, so only the
+    user can change it."""
+    if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+        warnings.warn("OMP_WAIT_POLICY=PASSIVE makes OpenMP's worker threads sleep between parallel regions, and a "
+                      "decoding step on the CPU backend runs one a product: fast_decoding and EAGLE run 2-3x slower. "
+                      "Unset it (or set OMP_WAIT_POLICY=ACTIVE) before Python starts.", RuntimeWarning, stacklevel=3)
 
 
 def kernel_decided() -> bool:
