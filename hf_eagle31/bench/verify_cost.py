@@ -57,7 +57,7 @@ def draft_split(drafter, depth: int = 6, top_k: int = 10, repeats: int = 10,
         spans.append(time.perf_counter() - start)
         return out
 
-    tree = draft_cost(drafter, depth, top_k, repeats=repeats, before=before, products=products, forward=timed)
+    tree = draft_cost(drafter, depth, top_k, repeats=repeats, before=before, forward=timed)
     forwards = [sum(spans[i : i + depth]) for i in range(1 + depth, len(spans), depth)]
     return {"level": tree / depth, "forward": min(forwards) / depth}
 

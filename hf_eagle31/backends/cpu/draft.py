@@ -34,9 +34,10 @@ def whole_forward(drafter: Eagle3DraftModel, products: Products | None) -> Draft
     held = _products(drafter, products) if products is not None else None
     if held is None:
         return None
+    norms, eps = _norms(drafter)
     torch.ops.hf_eagle31_rows.hold([p.key for p in held], [len(p.members) for p in held],
                                    [w for p in held for w in p.members], [p.bias for p in held])
-    return functools.partial(_forward, drafter, products, [p.key for p in held], *_norms(drafter))
+    return functools.partial(_forward, drafter, products, [p.key for p in held], [norm.weight for norm in norms], eps)
 
 
 def _products(drafter: Eagle3DraftModel, products: Products) -> list[Product] | None:
@@ -69,12 +70,12 @@ def _norms(drafter: Eagle3DraftModel) -> tuple[list[nn.Module], list[float]]:
     return norms, [norm.variance_epsilon for norm in norms]
 
 
-def _forward(drafter: Eagle3DraftModel, products: Products, keys: list[int], norms: list[nn.Module],
+def _forward(drafter: Eagle3DraftModel, products: Products, keys: list[int], norms: list[torch.Tensor],
              eps: list[float], input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,
              cache, tail_mask: torch.Tensor, logits_to_keep: int = 0,
              logits_at: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3DraftOutput:
     """`drafter(input_ids, hidden_states, position_ids, cache, tail_mask, ...)` on `products`, computed whole where
-    the rows kernel serves the row count (else by the modules)."""
+    the rows kernel serves the row count (else by the modules); `norms` the weights of `_norms`, with their `eps`."""
     batch, n = input_ids.shape
     width, embedding = hidden_states.shape[-1], drafter.get_input_embeddings()
     # the module forward where it says what is wrong (no embedding, a width it does not take) or where the kernel
@@ -94,10 +95,9 @@ def _forward(drafter: Eagle3DraftModel, products: Products, keys: list[int], nor
         kept = n if logits_to_keep == 0 else min(logits_to_keep, n)
         chosen = (torch.arange(batch)[:, None] * n + torch.arange(n - kept, n)).reshape(-1)
     logits, states = torch.ops.hf_eagle31_rows.draft_step(
-        embeds, hidden_states, width == drafter.fc.in_features, keys, [norm.weight for norm in norms],
-        eps, config.norm_before_residual, config.norm_output, cos, sin, keys_buffer, values_buffer, cache.at,
-        tail_mask, chosen, attention.scaling, config.num_attention_heads, config.num_key_value_heads,
-        config.intermediate_size, routes.ways(embeds.dtype))
+        embeds, hidden_states, width == drafter.fc.in_features, keys, norms, eps, config.norm_before_residual,
+        config.norm_output, cos, sin, keys_buffer, values_buffer, cache.at, tail_mask, chosen, attention.scaling,
+        config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, routes.ways(embeds.dtype))
     if logits_at is None:
         logits = logits.view(batch, -1, logits.shape[-1])
     return Eagle3DraftOutput(logits=logits, hidden_states=states, cache=cache)

@@ -214,7 +214,7 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
     for _ in range(REPEATS):
         for index in range(len(COUNTS)):
             for name in candidates:
-                if name in KERNEL[1:] and (COUNTS[index] > MAX_ROWS or COUNTS[index] == 1 and "single" in name):
+                if _way_of(name) and (COUNTS[index] > MAX_ROWS or COUNTS[index] == 1 and "single" in name):
                     continue  # past 16 rows groups take their counts' bits; one row is always read a row at a time
                 for slot, (weight, packed) in enumerate(weights):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)

@@ -80,13 +80,20 @@ void add_into(T* x, const T* y, int64_t n) {
   by16(n, [&](int64_t j, __mmask16 m) { store16(x + j, _mm512_add_ps(load16(x + j, m), load16(y + j, m)), m); });
 }
 
-// Each of the rows of x [rows, H] normed into out.
+// Each row of x [rows, F] normed in equal parts, one norm a part (`norms`, `eps`), into out.
+template <class T>
+void norm_parts(const at::Tensor& x, at::TensorList norms, at::ArrayRef<double> eps, at::Tensor& out) {
+  const int64_t F = x.size(1), width = F / static_cast<int64_t>(norms.size());
+  for (int64_t row = 0; row < x.size(0); ++row)
+    for (size_t part = 0; part < norms.size(); ++part)
+      rms_norm<T>(x.data_ptr<T>() + row * F + part * width, norms[part].data_ptr<T>(), width,
+                  static_cast<float>(eps[part]), out.data_ptr<T>() + row * F + part * width);
+}
+
+// Each row of x [rows, H] normed whole, into out.
 template <class T>
 void norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
-  const int64_t H = x.size(1);
-  for (int64_t row = 0; row < x.size(0); ++row)
-    rms_norm<T>(x.data_ptr<T>() + row * H, weight.data_ptr<T>(), H, static_cast<float>(eps),
-                out.data_ptr<T>() + row * H);
+  norm_parts<T>(x, weight, eps, out);
 }
 
 // One forward's sizes and the buffers every layer reuses (B n rows of tokens), allocated once a forward.
@@ -285,16 +292,6 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
 }
 
 
-// Each row of x [rows, F] normed in equal parts, one norm a part (`norms`, `eps`), into out.
-template <class T>
-void norm_parts(const at::Tensor& x, at::TensorList norms, at::ArrayRef<double> eps, at::Tensor& out) {
-  const int64_t F = x.size(1), width = F / static_cast<int64_t>(norms.size());
-  for (int64_t row = 0; row < x.size(0); ++row)
-    for (size_t part = 0; part < norms.size(); ++part)
-      rms_norm<T>(x.data_ptr<T>() + row * F + part * width, norms[part].data_ptr<T>(), width,
-                  static_cast<float>(eps[part]), out.data_ptr<T>() + row * F + part * width);
-}
-
 // The drafter's one layer and final norm over its residual stream `f.x`, its input being the embedding's norm and
 // the stream's side by side; `norms` and `eps`: hidden_norm, input_layernorm, post_attention_layernorm, norm.
 template <class T>
@@ -365,15 +362,14 @@ std::tuple<at::Tensor, at::Tensor> draft_step(const at::Tensor& embeds, const at
                   columns.scalar_type() == at::kLong && columns.numel() == n && logit_rows.scalar_type() == at::kLong,
               "hf_eagle31_rows::draft_step: a bool mask [B, n, slots], n long columns and long logit rows expected");
   const at::Tensor where = columns.contiguous();
-  for (const auto& buffer : {keys, values}) {
+  for (const auto& buffer : {keys, values})
     TORCH_CHECK(buffer.dim() == 4 && buffer.scalar_type() == dtype && buffer.size(0) == B &&
-                    buffer.size(1) == kv_heads && buffer.size(3) == D && buffer.stride(3) == 1 &&
-                    slots <= buffer.size(2),
+                    buffer.size(1) == kv_heads && buffer.size(2) == keys.size(2) && buffer.size(3) == D &&
+                    buffer.stride(3) == 1 && slots <= buffer.size(2),
                 "hf_eagle31_rows::draft_step: cache buffers [B, kv, capacity, D] holding every slot expected");
-    for (int64_t t = 0; t < n; ++t)
-      TORCH_CHECK(where.data_ptr<int64_t>()[t] >= 0 && where.data_ptr<int64_t>()[t] < buffer.size(2),
-                  "hf_eagle31_rows::draft_step: column ", where.data_ptr<int64_t>()[t], " outside the cache");
-  }
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(where.data_ptr<int64_t>()[t] >= 0 && where.data_ptr<int64_t>()[t] < keys.size(2),
+                "hf_eagle31_rows::draft_step: column ", where.data_ptr<int64_t>()[t], " outside the cache");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   std::vector<hf_eagle31_rows::Weights> weights;
   if (project) weights.push_back(weights_for(products[0], hidden.size(2), H, dtype));
