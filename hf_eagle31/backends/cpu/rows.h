@@ -60,11 +60,11 @@ struct Weights {
   std::vector<at::Tensor> weights;
   at::Tensor bias;
 };
-Weights held_weights(int64_t key);
+std::vector<Weights> held_weights(at::IntArrayRef keys);  // under one lock: a forward's 120 at once
 
-// The output features of `weights`, each checked to be a contiguous [N_i, K] matrix in `dtype` (`who` names the
-// caller in the error).
-int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, const std::string& who);
+// The output features of `weights`, each checked to be a contiguous [N_i, K] matrix in `dtype` (`who` and the
+// product's `key`, where not -1, name it in the error, composed only on failure).
+int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, const char* who, int64_t key = -1);
 
 // x [M, K] times `weights` into out [M, features] (both contiguous, x in the weights' dtype).
 void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways);

@@ -289,25 +289,28 @@ void hold(at::IntArrayRef keys, at::IntArrayRef counts, at::TensorList weights,
 
 namespace hf_eagle31_rows {
 
-Weights held_weights(int64_t key) {
-  Weights found;
+std::vector<Weights> held_weights(at::IntArrayRef keys) {
+  std::vector<Weights> found(keys.size());
   std::lock_guard<std::mutex> lock(held_lock);
-  const auto entry = held.find(key);
-  TORCH_CHECK(entry != held.end(), "hf_eagle31_rows: no weights held under key ", key);
-  for (const auto& w : entry->second.weights) {
-    auto strong = w.lock();
-    TORCH_CHECK(strong, "hf_eagle31_rows: the weights held under key ", key, " were freed");
-    found.weights.emplace_back(std::move(strong));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto entry = held.find(keys[i]);
+    TORCH_CHECK(entry != held.end(), "hf_eagle31_rows: no weights held under key ", keys[i]);
+    for (const auto& w : entry->second.weights) {
+      auto strong = w.lock();
+      TORCH_CHECK(strong, "hf_eagle31_rows: the weights held under key ", keys[i], " were freed");
+      found[i].weights.emplace_back(std::move(strong));
+    }
+    if (entry->second.bias.has_value()) found[i].bias = *entry->second.bias;
   }
-  if (entry->second.bias.has_value()) found.bias = *entry->second.bias;
   return found;
 }
 
-int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, const std::string& who) {
+int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, const char* who, int64_t key) {
   int64_t features = 0;
   for (const auto& w : weights) {
-    TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
-                who, ": contiguous ", dtype, " weights of ", K, " input features expected");
+    TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K && w.is_contiguous(), who,
+                key < 0 ? "" : " (key ", key < 0 ? "" : std::to_string(key) + ")", ": contiguous ", dtype,
+                " weights of ", K, " input features expected");
     features += w.size(0);
   }
   return features;
@@ -319,7 +322,7 @@ void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, 
 
 // x times the weights held under `key` (`hold`), plus their bias: `linear` on them.
 at::Tensor product(const at::Tensor& x, int64_t key, int64_t out_features, int64_t ways) {
-  const Weights weights = held_weights(key);
+  const Weights weights = std::move(held_weights({key})[0]);
   at::Tensor out = rows_linear(x, weights.weights, weights.bias.defined() ? c10::optional<at::Tensor>(weights.bias)
                                                                           : c10::nullopt, ways);
   TORCH_CHECK(out.size(-1) == out_features, "hf_eagle31_rows::product: the weights held under key ", key, " give ",

@@ -182,14 +182,12 @@ void layer(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tenso
   mlp<T>(f, products + 2, norms[1], eps[1]);
 }
 
-// The weights held under `key`, checked once a forward against what the layer multiplies them by.
-hf_eagle31_rows::Weights weights_for(int64_t key, int64_t in_features, int64_t out_features, at::ScalarType dtype) {
-  hf_eagle31_rows::Weights found = hf_eagle31_rows::held_weights(key);
-  const int64_t features = hf_eagle31_rows::features_of(found.weights, in_features, dtype,
-                                                        "hf_eagle31_rows::step (key " + std::to_string(key) + ")");
-  TORCH_CHECK(features == out_features, "hf_eagle31_rows::step: the weights under key ", key, " give ", features,
-              " features, not ", out_features);
-  return found;
+// A product's weights (held under `key`), checked once a forward against what the layer multiplies them by.
+void check_weights(const hf_eagle31_rows::Weights& found, int64_t key, int64_t in_features, int64_t out_features,
+                   at::ScalarType dtype, const char* who) {
+  const int64_t features = hf_eagle31_rows::features_of(found.weights, in_features, dtype, who, key);
+  TORCH_CHECK(features == out_features, who, ": the weights under key ", key, " give ", features, " features, not ",
+              out_features);
 }
 
 // A layer's cache buffers in the room, checked once a forward: room for the block behind the cache.
@@ -264,13 +262,13 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
   // small views and copies was a noticeable share of its time between the products
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, length + n, mask, scale, ways);
-  std::vector<hf_eagle31_rows::Weights> weights;  // four a layer, looked up once a forward
-  for (int64_t index = 0; index < layers; ++index) {
-    weights.push_back(weights_for(products[4 * index], H, (heads + 2 * kv_heads) * D, dtype));
-    weights.push_back(weights_for(products[4 * index + 1], heads * D, H, dtype));
-    weights.push_back(weights_for(products[4 * index + 2], H, 2 * intermediate, dtype));
-    weights.push_back(weights_for(products[4 * index + 3], intermediate, H, dtype));
-  }
+  // four a layer, looked up under one lock and checked once a forward (~0.1 ms of a SmolLM2 step: most of it cache
+  // misses in the tensors, which the step before streamed its weights past)
+  const std::vector<hf_eagle31_rows::Weights> weights = hf_eagle31_rows::held_weights(products);
+  const int64_t inputs[4] = {H, heads * D, H, intermediate}, outputs[4] = {(heads + 2 * kv_heads) * D, H,
+                                                                          2 * intermediate, H};
+  for (size_t i = 0; i < products.size(); ++i)
+    check_weights(weights[i], products[i], inputs[i % 4], outputs[i % 4], dtype, "hf_eagle31_rows::step");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor features = at::empty({B * n, static_cast<int64_t>(capture.size()) * H}, x.options());
   auto keep = [&](int64_t index, const at::Tensor& state) {
@@ -371,15 +369,14 @@ std::tuple<at::Tensor, at::Tensor> draft_step(const at::Tensor& embeds, const at
     TORCH_CHECK(where.data_ptr<int64_t>()[t] >= 0 && where.data_ptr<int64_t>()[t] < keys.size(2),
                 "hf_eagle31_rows::draft_step: column ", where.data_ptr<int64_t>()[t], " outside the cache");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  std::vector<hf_eagle31_rows::Weights> weights;
-  if (project) weights.push_back(weights_for(products[0], hidden.size(2), H, dtype));
-  else weights.emplace_back();
-  weights.push_back(weights_for(products[1], 2 * H, (heads + 2 * kv_heads) * D, dtype));
-  weights.push_back(weights_for(products[2], heads * D, H, dtype));
-  weights.push_back(weights_for(products[3], H, 2 * intermediate, dtype));
-  weights.push_back(weights_for(products[4], intermediate, H, dtype));
-  weights.push_back(hf_eagle31_rows::held_weights(products[5]));
-  const int64_t vocabulary = hf_eagle31_rows::features_of(weights[5].weights, H, dtype, "hf_eagle31_rows::draft_step");
+  const char* who = "hf_eagle31_rows::draft_step";
+  std::vector<hf_eagle31_rows::Weights> weights = hf_eagle31_rows::held_weights(products.slice(project ? 0 : 1));
+  if (project) check_weights(weights[0], products[0], hidden.size(2), H, dtype, who);
+  else weights.emplace(weights.begin());  // no fc: the states fed back are the stream
+  const int64_t inputs[4] = {2 * H, heads * D, H, intermediate}, outputs[4] = {(heads + 2 * kv_heads) * D, H,
+                                                                              2 * intermediate, H};
+  for (size_t i = 1; i < 5; ++i) check_weights(weights[i], products[i], inputs[i - 1], outputs[i - 1], dtype, who);
+  const int64_t vocabulary = hf_eagle31_rows::features_of(weights[5].weights, H, dtype, who, products[5]);
   TORCH_CHECK(project || hidden.size(2) == H, "hf_eagle31_rows::draft_step: fed-back states of ", H, " features");
   const at::Tensor x = draft_stream(hidden, project, weights[0], norms.slice(0, fc_count), eps.slice(0, fc_count), H,
                                     ways);
