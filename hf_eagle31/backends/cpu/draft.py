@@ -35,9 +35,10 @@ def whole_forward(drafter: Eagle3DraftModel, products: Products | None) -> Draft
     if held is None:
         return None
     norms, eps = _norms(drafter)
-    torch.ops.hf_eagle31_rows.hold([p.key for p in held], [len(p.members) for p in held],
-                                   [w for p in held for w in p.members], [p.bias for p in held])
-    return functools.partial(_forward, drafter, products, [p.key for p in held], [norm.weight for norm in norms], eps)
+    keys = [p.key for p in held]
+    torch.ops.hf_eagle31_rows.hold(keys, [len(p.members) for p in held], [w for p in held for w in p.members],
+                                   [p.bias for p in held])
+    return functools.partial(_forward, drafter, products, keys, [norm.weight for norm in norms], eps)
 
 
 def _products(drafter: Eagle3DraftModel, products: Products) -> list[Product] | None:

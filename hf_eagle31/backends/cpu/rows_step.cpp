@@ -190,6 +190,15 @@ void check_weights(const hf_eagle31_rows::Weights& found, int64_t key, int64_t i
               out_features);
 }
 
+// A layer's four products (q/k/v, o, gate/up, down, held under `keys`), checked once a forward: q/k/v multiplies
+// `input` features (the hidden size H; a drafter's norms of its embedding and its stream side by side, 2 H).
+void check_layer(const hf_eagle31_rows::Weights* weights, const int64_t* keys, int64_t input, int64_t H, int64_t D,
+                 int64_t heads, int64_t kv, int64_t intermediate, at::ScalarType dtype, const char* who) {
+  const int64_t inputs[4] = {input, heads * D, H, intermediate};
+  const int64_t outputs[4] = {(heads + 2 * kv) * D, H, 2 * intermediate, H};
+  for (int i = 0; i < 4; ++i) check_weights(weights[i], keys[i], inputs[i], outputs[i], dtype, who);
+}
+
 // A layer's cache buffers in the room, checked once a forward: room for the block behind the cache.
 std::pair<at::Tensor, at::Tensor> cache_for(int64_t room, int64_t index, const Forward& f, at::ScalarType dtype) {
   auto buffers = hf_eagle31_rows::room_layer(room, index);
@@ -265,10 +274,9 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
   // four a layer, looked up under one lock and checked once a forward (~0.1 ms of a SmolLM2 step: most of it cache
   // misses in the tensors, which the step before streamed its weights past)
   const std::vector<hf_eagle31_rows::Weights> weights = hf_eagle31_rows::held_weights(products);
-  const int64_t inputs[4] = {H, heads * D, H, intermediate}, outputs[4] = {(heads + 2 * kv_heads) * D, H,
-                                                                          2 * intermediate, H};
-  for (size_t i = 0; i < products.size(); ++i)
-    check_weights(weights[i], products[i], inputs[i % 4], outputs[i % 4], dtype, "hf_eagle31_rows::step");
+  for (int64_t index = 0; index < layers; ++index)
+    check_layer(&weights[4 * index], products.data() + 4 * index, H, H, D, heads, kv_heads, intermediate, dtype,
+                "hf_eagle31_rows::step");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor features = at::empty({B * n, static_cast<int64_t>(capture.size()) * H}, x.options());
   auto keep = [&](int64_t index, const at::Tensor& state) {
@@ -288,7 +296,6 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
   keep(layers, f.h);
   return {f.h.view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H})};
 }
-
 
 // The drafter's one layer and final norm over its residual stream `f.x`, its input being the embedding's norm and
 // the stream's side by side; `norms` and `eps`: hidden_norm, input_layernorm, post_attention_layernorm, norm.
@@ -373,9 +380,7 @@ std::tuple<at::Tensor, at::Tensor> draft_step(const at::Tensor& embeds, const at
   std::vector<hf_eagle31_rows::Weights> weights = hf_eagle31_rows::held_weights(products.slice(project ? 0 : 1));
   if (project) check_weights(weights[0], products[0], hidden.size(2), H, dtype, who);
   else weights.emplace(weights.begin());  // no fc: the states fed back are the stream
-  const int64_t inputs[4] = {2 * H, heads * D, H, intermediate}, outputs[4] = {(heads + 2 * kv_heads) * D, H,
-                                                                              2 * intermediate, H};
-  for (size_t i = 1; i < 5; ++i) check_weights(weights[i], products[i], inputs[i - 1], outputs[i - 1], dtype, who);
+  check_layer(&weights[1], products.data() + 1, 2 * H, H, D, heads, kv_heads, intermediate, dtype, who);
   const int64_t vocabulary = hf_eagle31_rows::features_of(weights[5].weights, H, dtype, who, products[5]);
   TORCH_CHECK(project || hidden.size(2) == H, "hf_eagle31_rows::draft_step: fed-back states of ", H, " features");
   const at::Tensor x = draft_stream(hidden, project, weights[0], norms.slice(0, fc_count), eps.slice(0, fc_count), H,
