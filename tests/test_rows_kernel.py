@@ -130,6 +130,24 @@ def test_the_kernels_attention_computes_torchs(keys, head_dim, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keys", [15, 31, 47])  # 16 keys summed together, or fewer one at a time
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: one at a time throughout
+def test_a_key_scores_the_same_bits_summed_with_fifteen_others_or_alone(keys, head_dim, dtype):
+    """A row's output over `keys` keys equals, bit for bit, its output over one more key that the mask hides: its
+    last 16 keys are then scored 16 at once where they were scored one at a time, so a block's rows (whose caches
+    hold the block too) get the bits a one-token step gets."""
+    torch.manual_seed(keys + head_dim)
+    query = torch.randn(1, 3, 5, head_dim).to(dtype)
+    key, value = (torch.randn(1, 3, keys + 1, head_dim).to(dtype) for _ in range(2))
+    hidden = torch.zeros(1, 1, 5, keys + 1, dtype=dtype)
+    hidden[..., keys] = torch.finfo(dtype).min
+    ops = torch.ops.hf_eagle31_rows
+    assert torch.equal(ops.attention(query, key, value, hidden, 0.3),
+                       ops.attention(query, key[:, :, :keys], value[:, :, :keys], hidden[..., :keys], 0.3))
+
+
+@needs_kernel
 def test_attention_in_a_held_room_writes_the_new_keys_behind_the_cache_and_attends_over_all():
     """`attention_in_room` writes a step's keys and values into the buffers `hold_room` holds for the layer, behind
     the `length` cached, and attends as `attention` over the cache and them; a room never held, freed buffers and a
