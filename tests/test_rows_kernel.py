@@ -132,7 +132,7 @@ def test_the_kernels_attention_computes_torchs(keys, head_dim, dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("keys", [15, 31, 47])  # 16 keys summed together, or fewer one at a time
-@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: one at a time throughout
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: never 16 keys at once (four at a time)
 def test_a_key_scores_the_same_bits_summed_with_fifteen_others_or_alone(keys, head_dim, dtype):
     """A row's output over `keys` keys equals, bit for bit, its output over one more key that the mask hides: its
     last 16 keys are then scored 16 at once where they were scored one at a time, so a block's rows (whose caches
