@@ -25,8 +25,8 @@ DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [*range(1, MAX_ROWS + 1), 17, 40])  # 17, 40: further passes of 16
 @pytest.mark.parametrize("features", [(576, 1536), (1536, 577), (100, 7), (24, 3), (33, 13)])  # K, N tails
-# weights read side by side; a weight row at a time; that with the L1 prefetch
-@pytest.mark.parametrize("ways", [0, 0xFFFF << 16, -1])
+# weights read side by side; a weight row at a time; 7-16 rows in groups of up to 6; all with the L1 prefetch
+@pytest.mark.parametrize("ways", [0, 0xFFFF << 16, 0xFFFF << 32, -1])
 def test_the_kernel_computes_torchs_product(rows, features, dtype, ways):
     in_features, out_features = features
     torch.manual_seed(rows)
@@ -59,9 +59,10 @@ def test_a_row_alone_gets_the_bits_it_gets_in_a_block(dtype):
     x = torch.randn(16, 577).to(dtype)  # a tail of K past the vectors
     weights = [torch.randn(1000, 577).to(dtype), torch.randn(7, 577).to(dtype)]
     bias = torch.randn(1007).to(dtype)
-    for count in (2, 9, 16):
+    for count in (2, 7, 9, 13, 16):
         block = torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias)
-        for ways in (0xFFFF, 0xFFFF << 16, -1):  # with the L1 prefetch; a weight row at a time; both
+        # with the L1 prefetch; a weight row at a time; in groups of up to 6 (two or three); all three
+        for ways in (0xFFFF, 0xFFFF << 16, 0xFFFF << 32, -1):
             assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias, ways), block)
         for row in (0, count - 1):
             assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[row : row + 1], weights, bias), block[row : row + 1])

@@ -4,9 +4,11 @@ Why: which of the rows kernel (rows.py), torch's product (MKL) and oneDNN's prod
 weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at
 a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does
 how the kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 1 and
-8-16 rows on an AMD EPYC, 2-6 within a few percent either way) and whether 2-16 rows read one weight row at a time
-(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast), measured as implementations of their
-own ("rows_near", "rows_single", "rows_single_near") at 1-16 rows. The first
+8-16 rows on an AMD EPYC, 2-6 within a few percent either way), whether 2-16 rows read one weight row at a time
+(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast) and whether 7-16 rows go in groups of
+up to 6 (fp32 8-16 rows 1.2-1.3x faster there where the weights come from the cache, bf16 rows up to 10% slower),
+measured as implementations of their own ("rows_near", "rows_single", "rows_single_near", "rows_narrow",
+"rows_narrow_near") at 1-16 rows (7-16 for the groups, which are the same below). The first
 process that needs a dtype's routes times every implementation at every row count on a stream of weights larger
 than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
 build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
@@ -37,11 +39,13 @@ import torch.nn.functional as F
 from hf_eagle31.backends.cpu import rows
 from hf_eagle31.backends.cpu.rows import MAX_ROWS
 
-# the kernel, its weights read side by side or a row at a time ("single"), without and with its L1 prefetch ("near");
-# F.linear; oneDNN's product over its reordered copy of the weights
-IMPLEMENTATIONS = ("rows", "rows_near", "rows_single", "rows_single_near", "torch", "onednn")
-KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near")
+# the kernel, its weights read side by side or a row at a time ("single"), or 7-16 rows in groups of up to 6
+# ("narrow"), without and with its L1 prefetch ("near"); F.linear; oneDNN's product over its reordered copy
+KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near", "rows_narrow", "rows_narrow_near")
+IMPLEMENTATIONS = (*KERNEL, "torch", "onednn")
 SINGLE_BITS = 16  # `ways`: bit r - 1 for r rows near, bit SINGLE_BITS + r - 1 single (rows_linear.cpp)
+NARROW_BITS = 32  # bit NARROW_BITS + r - 1: r rows in groups of up to 6 (rows_linear.cpp)
+NARROW_FROM = 7  # the fewest rows grouped otherwise when narrow: below, the same product as "rows" (not timed)
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
 # [out, in]: a 1B decoder's and a 135M decoder's up and down projections, in turn: which way reads fastest depends
 # on a weight row's length too (on an AMD EPYC 2-3 fp32 rows read a weight row at a time were timed faster over
@@ -84,9 +88,10 @@ def on_kernel(count: int, dtype: torch.dtype) -> bool:
 
 
 def ways(dtype: torch.dtype) -> int:
-    """The kernel's `ways` in `dtype`: for each row count r of 1-16 measured faster with the L1 prefetch bit r - 1, and
-    faster reading one weight row at a time bit `SINGLE_BITS` + r - 1; the kernel applies them to every group of rows
-    it multiplies, a block's past 16 rows included."""
+    """The kernel's `ways` in `dtype`: for each row count r of 1-16 measured faster with the L1 prefetch bit r - 1,
+    faster reading one weight row at a time bit `SINGLE_BITS` + r - 1, and faster in groups of up to 6 rows bit
+    `NARROW_BITS` + r - 1; the kernel applies them to every group of rows it multiplies, a block's past 16 rows
+    included."""
     return _way_bits(routes(dtype))
 
 
@@ -98,7 +103,8 @@ def _way_bits(chosen: tuple[str, ...]) -> int:
 
 def _way_of(how: str) -> int:
     """An implementation's bits for one row count, at the count's own bit (shifted there by the caller)."""
-    return (1 if how.endswith("_near") else 0) | ((1 << SINGLE_BITS) if how.startswith("rows_single") else 0)
+    return (1 if how.endswith("_near") else 0) | ((1 << SINGLE_BITS) if how.startswith("rows_single") else 0) | \
+        ((1 << NARROW_BITS) if how.startswith("rows_narrow") else 0)
 
 
 def serves_every_count(dtype: torch.dtype) -> bool:
@@ -214,8 +220,11 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
     for _ in range(REPEATS):
         for index in range(len(COUNTS)):
             for name in candidates:
-                if _way_of(name) and (COUNTS[index] > MAX_ROWS or COUNTS[index] == 1 and "single" in name):
-                    continue  # past 16 rows groups take their counts' bits; one row is always read a row at a time
+                count = COUNTS[index]
+                if _way_of(name) and (count > MAX_ROWS or count == 1 and "single" in name or
+                                      count < NARROW_FROM and "narrow" in name):
+                    continue  # past 16 rows groups take their counts' bits; one row is always read a row at a time;
+                    # fewer than NARROW_FROM rows are one group either way
                 for slot, (weight, packed) in enumerate(weights):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
                     best[name][index][slot] = min(best[name][index][slot], taken)

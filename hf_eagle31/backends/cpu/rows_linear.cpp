@@ -1,22 +1,24 @@
 // A few rows times a linear layer's own weights (fp32, or bf16 on a CPU with AVX512-BF16), at the rate the
 // weights stream from memory (AVX-512).
 //
-// out[m, n] = x[m, :] . w[n, :]: each step loads one vector of W weight rows once and multiplies it into up to 8
-// input rows held in registers' reach, so a weight is read from memory once for every row. 9-16 rows are two
-// groups of up to 8 over the same W weight rows, the second reading them again from L1: one group of 16 rows
-// against one weight row loaded 17 vectors for 16 multiply-adds, and its input rows (16 x K floats) did not fit
-// L1, so it ran far below the memory's rate. Rows further on are prefetched into L2 while these compute: the
+// out[m, n] = x[m, :] . w[n, :]: each step loads one vector of W weight rows once and multiplies it into a group of
+// input rows held in registers' reach, so a weight is read from memory once for every row. More rows than a group
+// holds are two or three groups over the same W weight rows, the later ones reading them again from L1: one group of
+// 16 rows against one weight row loaded 17 vectors for 16 multiply-adds, and its input rows (16 x K floats) did not
+// fit L1, so it ran far below the memory's rate. Rows further on are prefetched into L2 while these compute: the
 // hardware prefetcher alone leaves the memory idle during the multiplications. Into L2, not L1, and 16 rows
 // ahead: prefetched weights then do not evict the input rows from L1. One input row (a decoding step) reads the weight
 // rows one after another instead, a single stream the hardware prefetcher follows, with a light prefetch further
 // ahead: W rows read side by side are W short streams it barely catches (4-12% slower on an AMD EPYC).
 //
-// `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), two bits
+// `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), three bits
 // for r rows: bit r - 1 (`near`) also prefetches the weights a few lines ahead into L1, so that loads wait less (on
 // an AMD EPYC one row 3-7% and 8-16 rows 5-20% faster, 2-6 rows within a few percent either way); bit 16 + r - 1
 // (`single`) reads one weight row at a time (W = 1) as one row does, a single stream, reloading the input rows from
 // L1 for every weight vector (on an AMD EPYC 2-8 bf16 rows 1.2-1.3x faster; 2-3 fp32 rows of 576 features 0.7-0.85x
-// as fast, 4 rows 1.15x). Every way sums each output in the same order, so all give the same bits.
+// as fast, 4 rows 1.15x); bit 32 + r - 1 (`narrow`) multiplies 7-16 rows in groups of up to 6 against W = 4 weight
+// rows, not of up to 8 against W = 3 (on an AMD EPYC 8-12 fp32 rows 1.2-1.3x faster, bf16 rows up to 10% slower).
+// Every way sums each output in the same order, so all give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -120,66 +122,95 @@ void stream_rows(const typename E::T* x, int64_t K, const typename E::T* w, cons
   }
 }
 
-// `n` weight rows against R <= 8 input rows (A), or against A and then B more, W weight rows at a time (one where
-// SINGLE): the second group reads the same W rows again, from L1.
-template <class E, int A, int B, bool L1, bool SINGLE, class O>
+// W weight rows against the input rows in groups of First, Rest... rows: the first group reads the weights from
+// memory (with the prefetches), the others read the same weight rows again from L1.
+template <class E, bool L1, int W, class O, int First, int... Rest>
+inline void blocks(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, O* out,
+                   int64_t ldo) {
+  block<E, First, W, true, L1>(x, K, w, bias, out, ldo);
+  int64_t r = First;
+  ((block<E, Rest, W, false, false>(x + r * K, K, w, bias, out + r * ldo, ldo), r += Rest), ...);
+}
+
+// `n` weight rows against input rows in groups of G... rows, W weight rows at a time.
+template <class E, bool L1, int W, class O, int... G>
 void rows_of(const typename E::T* x, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
              int64_t ldo) {
-  constexpr int W = SINGLE ? 1 : A + B <= 6 ? 4 : 3;
   int64_t row = 0;
-  for (; row + W <= n; row += W) {
-    block<E, A, W, true, L1>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
-    if constexpr (B > 0)
-      block<E, B, W, false, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
-  }
-  for (; row < n; ++row) {
-    block<E, A, 1, true, L1>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
-    if constexpr (B > 0)
-      block<E, B, 1, false, false>(x + A * K, K, w + row * K, bias ? bias + row : nullptr, out + A * ldo + row, ldo);
-  }
+  for (; row + W <= n; row += W) blocks<E, L1, W, O, G...>(x, K, w + row * K, bias ? bias + row : nullptr, out + row,
+                                                            ldo);
+  for (; row < n; ++row) blocks<E, L1, 1, O, G...>(x, K, w + row * K, bias ? bias + row : nullptr, out + row, ldo);
 }
 
 // `n` weight rows against a group of 1-16 input rows, with or without the prefetch into L1, a weight row at a time
-// or W side by side.
-template <class E, bool L1, bool SINGLE, class O>
+// or W side by side, 7-16 rows in groups of up to 6 (NARROW, W = 4) or of up to 8 (W = 3).
+template <class E, bool L1, bool SINGLE, bool NARROW, class O>
 void group(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
            int64_t ldo) {
+  constexpr int W = SINGLE ? 1 : 4, LONG = SINGLE ? 1 : NARROW ? 4 : 3;  // LONG: W for 7 rows or more
   switch (M) {
     case 1: stream_rows<E, L1>(x, K, w, bias, n, out); break;  // one row: always a single stream
-    case 2: rows_of<E, 2, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 3: rows_of<E, 3, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 4: rows_of<E, 4, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 5: rows_of<E, 5, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 6: rows_of<E, 6, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 7: rows_of<E, 7, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 8: rows_of<E, 8, 0, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 9: rows_of<E, 5, 4, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 10: rows_of<E, 5, 5, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 11: rows_of<E, 6, 5, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 12: rows_of<E, 6, 6, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 13: rows_of<E, 7, 6, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 14: rows_of<E, 7, 7, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    case 15: rows_of<E, 8, 7, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
-    default: rows_of<E, 8, 8, L1, SINGLE>(x, K, w, bias, n, out, ldo); break;
+    case 2: rows_of<E, L1, W, O, 2>(x, K, w, bias, n, out, ldo); break;
+    case 3: rows_of<E, L1, W, O, 3>(x, K, w, bias, n, out, ldo); break;
+    case 4: rows_of<E, L1, W, O, 4>(x, K, w, bias, n, out, ldo); break;
+    case 5: rows_of<E, L1, W, O, 5>(x, K, w, bias, n, out, ldo); break;
+    case 6: rows_of<E, L1, W, O, 6>(x, K, w, bias, n, out, ldo); break;
+    case 7:
+      if constexpr (NARROW) rows_of<E, L1, LONG, O, 4, 3>(x, K, w, bias, n, out, ldo);
+      else rows_of<E, L1, LONG, O, 7>(x, K, w, bias, n, out, ldo);
+      break;
+    case 8:
+      if constexpr (NARROW) rows_of<E, L1, LONG, O, 4, 4>(x, K, w, bias, n, out, ldo);
+      else rows_of<E, L1, LONG, O, 8>(x, K, w, bias, n, out, ldo);
+      break;
+    case 9: rows_of<E, L1, LONG, O, 5, 4>(x, K, w, bias, n, out, ldo); break;
+    case 10: rows_of<E, L1, LONG, O, 5, 5>(x, K, w, bias, n, out, ldo); break;
+    case 11: rows_of<E, L1, LONG, O, 6, 5>(x, K, w, bias, n, out, ldo); break;
+    case 12: rows_of<E, L1, LONG, O, 6, 6>(x, K, w, bias, n, out, ldo); break;
+    case 13:
+      if constexpr (NARROW) rows_of<E, L1, LONG, O, 5, 4, 4>(x, K, w, bias, n, out, ldo);
+      else rows_of<E, L1, LONG, O, 7, 6>(x, K, w, bias, n, out, ldo);
+      break;
+    case 14:
+      if constexpr (NARROW) rows_of<E, L1, LONG, O, 5, 5, 4>(x, K, w, bias, n, out, ldo);
+      else rows_of<E, L1, LONG, O, 7, 7>(x, K, w, bias, n, out, ldo);
+      break;
+    case 15:
+      if constexpr (NARROW) rows_of<E, L1, LONG, O, 5, 5, 5>(x, K, w, bias, n, out, ldo);
+      else rows_of<E, L1, LONG, O, 8, 7>(x, K, w, bias, n, out, ldo);
+      break;
+    default:
+      if constexpr (NARROW) rows_of<E, L1, LONG, O, 6, 5, 5>(x, K, w, bias, n, out, ldo);
+      else rows_of<E, L1, LONG, O, 8, 8>(x, K, w, bias, n, out, ldo);
+      break;
   }
 }
 
 constexpr int SINGLE_BITS = 16;  // bit SINGLE_BITS + r - 1 of `ways`: r rows read one weight row at a time
+constexpr int NARROW_BITS = 32;  // bit NARROW_BITS + r - 1: r rows in groups of up to 6
+
+template <class E, bool L1, bool SINGLE, class O>
+void narrow_or_wide(bool narrow, const typename E::T* x, int64_t M, int64_t K, const typename E::T* w,
+                    const float* bias, int64_t n, O* out, int64_t ldo) {
+  if (narrow) group<E, L1, SINGLE, true>(x, M, K, w, bias, n, out, ldo);
+  else group<E, L1, SINGLE, false>(x, M, K, w, bias, n, out, ldo);
+}
 
 // `n` weight rows against every input row, 16 input rows at a time (more rows read the weights again); a group of
-// r rows reads as bits r - 1 and SINGLE_BITS + r - 1 of `ways` say.
+// r rows reads as bits r - 1, SINGLE_BITS + r - 1 and NARROW_BITS + r - 1 of `ways` say.
 template <class E, class O>
 void rows(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, const float* bias, int64_t n, O* out,
           int64_t ldo, int64_t ways) {
   for (int64_t m = 0; m < M; m += 16) {
     const int64_t count = std::min<int64_t>(16, M - m);
     const bool near = (ways >> (count - 1)) & 1, single = (ways >> (SINGLE_BITS + count - 1)) & 1;
+    const bool narrow = (ways >> (NARROW_BITS + count - 1)) & 1;
     const auto* xm = x + m * K;
     auto* om = out + m * ldo;
-    if (near && single) group<E, true, true>(xm, count, K, w, bias, n, om, ldo);
-    else if (near) group<E, true, false>(xm, count, K, w, bias, n, om, ldo);
-    else if (single) group<E, false, true>(xm, count, K, w, bias, n, om, ldo);
-    else group<E, false, false>(xm, count, K, w, bias, n, om, ldo);
+    if (near && single) narrow_or_wide<E, true, true>(narrow, xm, count, K, w, bias, n, om, ldo);
+    else if (near) narrow_or_wide<E, true, false>(narrow, xm, count, K, w, bias, n, om, ldo);
+    else if (single) narrow_or_wide<E, false, true>(narrow, xm, count, K, w, bias, n, om, ldo);
+    else narrow_or_wide<E, false, false>(narrow, xm, count, K, w, bias, n, om, ldo);
   }
 }
 
