@@ -17,7 +17,8 @@
 // (`single`) reads one weight row at a time (W = 1) as one row does, a single stream, reloading the input rows from
 // L1 for every weight vector (on an AMD EPYC 2-8 bf16 rows 1.2-1.3x faster; 2-3 fp32 rows of 576 features 0.7-0.85x
 // as fast, 4 rows 1.15x); bit 32 + r - 1 (`narrow`) multiplies 7-16 rows in groups of up to 6 against W = 4 weight
-// rows, not of up to 8 against W = 3 (on an AMD EPYC 8-12 fp32 rows 1.2-1.3x faster, bf16 rows up to 10% slower).
+// rows, not of up to 8 against W = 3 (on an AMD EPYC 8-16 fp32 rows 1.2-1.3x faster where the weights come from the
+// cache, bf16 rows up to 10% slower).
 // Every way sums each output in the same order, so all give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -189,6 +190,7 @@ void group(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w,
 constexpr int SINGLE_BITS = 16;  // bit SINGLE_BITS + r - 1 of `ways`: r rows read one weight row at a time
 constexpr int NARROW_BITS = 32;  // bit NARROW_BITS + r - 1: r rows in groups of up to 6
 
+// `group` in groups of up to 6 rows where `narrow`, else of up to 8.
 template <class E, bool L1, bool SINGLE, class O>
 void narrow_or_wide(bool narrow, const typename E::T* x, int64_t M, int64_t K, const typename E::T* w,
                     const float* bias, int64_t n, O* out, int64_t ldo) {
