@@ -1,6 +1,7 @@
 """Which implementation multiplies how many rows (hf_eagle31/backends/cpu/routes.py): measured, kept beside the kernel
 build, and whichever each row count got, decoding equals plain `generate`."""
 
+import collections
 import json
 
 import pytest
@@ -23,6 +24,13 @@ def fake_timer(fast: dict[int, str]):
     def timed(name, x, weight, packed):
         return 1.0 if name == fast.get(x.shape[0], "torch") else 2.0
 
+    return timed
+
+
+def record_timings(monkeypatch, fast: dict[int, str]) -> dict[str, set[int]]:
+    """`fake_timer(fast)` as the routes' timer; returns, per implementation, the row counts it was timed at."""
+    timer, timed = fake_timer(fast), collections.defaultdict(set)
+    monkeypatch.setattr(routes, "_time", lambda name, x, *args: timed[name].add(x.shape[0]) or timer(name, x, *args))
     return timed
 
 
@@ -128,14 +136,12 @@ def test_the_kernels_l1_prefetch_serves_the_row_counts_it_was_measured_faster_at
     measured, which the kernel takes as a bit per count (`routes.ways`). Blocks past 16 rows are not timed with it
     (their groups of up to 16 take their counts' bits)."""
     monkeypatch.setattr(routes, "available", lambda dtype: ("rows", "rows_near", "torch"))
-    timed = []
-    timer = fake_timer({1: "rows_near", 2: "rows", 8: "rows_near", 16: "rows_near", 32: "rows_near"})
-    monkeypatch.setattr(routes, "_time", lambda name, x, *args: timed.append((name, x.shape[0])) or timer(name, x, *args))
+    timed = record_timings(monkeypatch, {1: "rows_near", 2: "rows", 8: "rows_near", 16: "rows_near", 32: "rows_near"})
     chosen = routes.routes(torch.float32)
     assert chosen[:2] == ("rows_near", "rows") and chosen[7] == chosen[15] == "rows_near" and chosen[16] != "rows_near"
     assert routes.ways(torch.float32) == 1 | (1 << 7) | (1 << 15)
     assert routes.on_kernel(8, torch.float32) and not routes.on_kernel(3, torch.float32)
-    assert {count for name, count in timed if name == "rows_near"} == set(range(1, MAX_ROWS + 1))
+    assert timed["rows_near"] == set(range(1, MAX_ROWS + 1))
 
 
 def test_reading_a_weight_row_at_a_time_serves_the_row_counts_it_was_measured_faster_at(monkeypatch, small_stream):
@@ -143,17 +149,14 @@ def test_reading_a_weight_row_at_a_time_serves_the_row_counts_it_was_measured_fa
     per row count, measured (bit 16 + r - 1 of `routes.ways`), with or without the L1 prefetch. One row is read a row
     at a time anyway, so it is not timed again."""
     monkeypatch.setattr(routes, "available", lambda dtype: routes.KERNEL + ("torch",))
-    timed = []
-    timer = fake_timer({2: "rows_single", 3: "rows_single_near", 4: "rows_near", 5: "rows_single"})
-    monkeypatch.setattr(routes, "_time",
-                        lambda name, x, *args: timed.append((name, x.shape[0])) or timer(name, x, *args))
+    timed = record_timings(monkeypatch, {2: "rows_single", 3: "rows_single_near", 4: "rows_near", 5: "rows_single"})
     chosen = routes.routes(torch.float32)
     assert chosen[1:5] == ("rows_single", "rows_single_near", "rows_near", "rows_single")
     single = routes.SINGLE_BITS
     assert routes.ways(torch.float32) == (1 << (single + 1)) | (1 << 2) | (1 << (single + 2)) | (1 << 3) | \
         (1 << (single + 4))
     for name in ("rows_single", "rows_single_near"):
-        assert {count for way, count in timed if way == name} == set(range(2, MAX_ROWS + 1))
+        assert timed[name] == set(range(2, MAX_ROWS + 1))
 
 
 def test_groups_of_up_to_six_rows_serve_the_row_counts_they_were_measured_faster_at(monkeypatch, small_stream):
@@ -161,17 +164,15 @@ def test_groups_of_up_to_six_rows_serve_the_row_counts_they_were_measured_faster
     bf16 rows up to 10% slower: per row count, measured (bit 32 + r - 1 of `routes.ways`), with or without the L1
     prefetch. Fewer than 7 rows are one group either way, so they are not timed."""
     monkeypatch.setattr(routes, "available", lambda dtype: routes.KERNEL + ("torch",))
-    timed = []
-    timer = fake_timer({6: "rows_near", 7: "rows_narrow", 8: "rows_narrow_near", 16: "rows_narrow_near"})
-    monkeypatch.setattr(routes, "_time",
-                        lambda name, x, *args: timed.append((name, x.shape[0])) or timer(name, x, *args))
+    timed = record_timings(monkeypatch,
+                           {6: "rows_near", 7: "rows_narrow", 8: "rows_narrow_near", 16: "rows_narrow_near"})
     chosen = routes.routes(torch.float32)
     assert chosen[5:8] == ("rows_near", "rows_narrow", "rows_narrow_near") and chosen[15] == "rows_narrow_near"
     narrow = routes.NARROW_BITS
     assert routes.ways(torch.float32) == (1 << 5) | (1 << (narrow + 6)) | (1 << 7) | (1 << (narrow + 7)) | \
         (1 << 15) | (1 << (narrow + 15))
     for name in ("rows_narrow", "rows_narrow_near"):
-        assert {count for way, count in timed if way == name} == set(range(7, MAX_ROWS + 1))
+        assert timed[name] == set(range(7, MAX_ROWS + 1))
 
 
 def test_only_a_row_count_measured_fastest_on_onednn_makes_its_copy(monkeypatch):
