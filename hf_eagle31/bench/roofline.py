@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from hf_eagle31.backends.cpu import routes
 from hf_eagle31.tuning import best_of
 
-CACHE_MULTIPLE = 8  # the buffer is this many last-level caches: all but a sliver of each sum comes from memory
-BUFFER_BYTES = (256 * 2**20, 2**30)  # its bounds: past the caches where Linux does not say, and within a second
 COUNTED = ("every parameter of the target but the input embedding table, of which a step reads one row (an LM head "
            "tied to it is read whole, counted once); not buffers, the attention cache or the drafter")
 
@@ -28,25 +26,20 @@ def last_level_cache_bytes(device: torch.device) -> int:
     """The largest cache of the device (CUDA's L2, the CPU's highest level as Linux reports it; 0 if unknown)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).L2_cache_size
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = path.read_text().strip()
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=0)
+    return routes.last_level_cache()
 
 
 @torch.no_grad()
 def read_bandwidth(device: torch.device | str = "cpu", repeats: int = 10) -> float:
     """Bytes per second the device reads from memory on the threads torch computes with: the best of `repeats`
-    sums over an fp32 buffer of `CACHE_MULTIPLE` last-level caches (within `BUFFER_BYTES`).
+    sums over an fp32 buffer of several last-level caches (`routes.streamed_bytes`, as the CPU's routes time their
+    products over).
 
     A sum reads every byte once and computes next to nothing, as a decoding step streams its weights; the best
     of several, because a shared machine only ever slows a read down.
     """
     device = torch.device(device)
-    size = min(max(BUFFER_BYTES[0], CACHE_MULTIPLE * last_level_cache_bytes(device)), BUFFER_BYTES[1])
-    buffer = torch.ones(size // 4, device=device)
+    buffer = torch.ones(routes.streamed_bytes(last_level_cache_bytes(device)) // 4, device=device)
     return buffer.nbytes / best_of(buffer.sum, repeats)
 
 

@@ -2,15 +2,15 @@
 
 Why: which of the rows kernel (rows.py), torch's product (MKL) and oneDNN's product over its reordered copy of the
 weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at
-a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does
-how the kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 1 and
-8-16 rows on an AMD EPYC, 2-6 within a few percent either way), whether 2-16 rows read one weight row at a time
-(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast) and whether 7-16 rows go in groups of
-up to 6 (fp32 8-16 rows 1.2-1.3x faster there where the weights come from the cache, bf16 rows up to 10% slower),
+a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does how
+the kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 8-16 rows
+on an AMD EPYC, 2-6 within a few percent either way, slower at one), whether 2-16 rows read one weight row at a time
+(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast) and whether 7-16 rows go in groups of up
+to 6 (fp32 8-16 rows 1.2-1.3x faster there where the weights come from the cache, bf16 rows up to 10% slower),
 measured as implementations of their own ("rows_near", "rows_single", "rows_single_near", "rows_narrow",
-"rows_narrow_near") at 1-16 rows (7-16 for the groups, which are the same below). The first
-process that needs a dtype's routes times every implementation at every row count on a stream of weights larger
-than the last-level cache, as a decoding step streams them, and writes the fastest per row count into the kernel's
+"rows_narrow_near") at 1-16 rows (7-16 for the groups, which are the same below). The first process that needs a
+dtype's routes times every implementation at every row count on a stream of weights of eight last-level caches
+(`workload`), from memory as a decoding step streams them, and writes the fastest per row count into the kernel's
 build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
 read it. Delete the file to measure again.
 
@@ -57,6 +57,8 @@ COUNTS = (*range(1, MAX_ROWS + 1), *PAST_MAX_ROWS)  # every row count measured, 
 # the steps (one at each row count of 1-MAX_ROWS, in turn) over which oneDNN's copy of the weights must pay for
 # itself, a copy being made at every call: a short answer's decoding steps (`choose`)
 PAYBACK_STEPS = 64
+CACHE_MULTIPLE = 8  # a stream of weights timed is this many last-level caches (`workload`)
+STREAM_BOUNDS = (256 * 2**20, 2**30)  # its bounds: past the caches where Linux does not say, and quick to time
 
 logger = logging.getLogger(__name__)
 _ROUTES: dict[tuple[torch.dtype, int], tuple[str, ...]] = {}  # (dtype, threads) -> implementation per COUNTS
@@ -162,7 +164,8 @@ def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[
                            str(dtype).removeprefix("torch."), COUNTS[-1])
             seconds, copy = measure(dtype, candidates)
             chosen = choose(seconds, copy)
-            _write(path, {"counts": list(COUNTS), "routes": list(chosen), "seconds": seconds, "copy_seconds": copy})
+            _write(path, {"counts": list(COUNTS), "routes": list(chosen), "seconds": seconds, "copy_seconds": copy,
+                          "streamed_bytes": streamed_bytes()})
             return chosen
     except OSError:  # an unwritable cache: measured, not kept
         return choose(*measure(dtype, candidates))
@@ -174,10 +177,11 @@ def _read(path: Path, candidates: tuple[str, ...]) -> tuple[str, ...] | None:
         chosen, counts = tuple(kept["routes"]), tuple(kept["counts"])
         charged = "copy_seconds" in kept  # an older file chose oneDNN without its copy's cost: measured again
         complete = set(candidates) <= set(kept["seconds"])  # an older file, without some way: measured again
+        streamed = kept.get("streamed_bytes") == streamed_bytes()  # an older file timed a stream partly in the cache
     except (OSError, ValueError, KeyError, TypeError):
         return None
     usable = counts == COUNTS and len(chosen) == len(COUNTS) and set(chosen) <= set(candidates)
-    return chosen if charged and complete and usable else None
+    return chosen if charged and complete and streamed and usable else None
 
 
 def _write(path: Path, record: dict) -> None:
@@ -214,9 +218,12 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
     whatever runs meanwhile, would have to last the whole measurement to count; each weight streamed from memory
     (the candidates take turns over the whole stream, longer than the cache)."""
     weights = workload(dtype)
+    # past MAX_ROWS a product computes far more than it reads (the kernel reads its weights again for every 16 rows,
+    # from the cache), so a quarter of the stream serves, in a quarter of the time
+    streams = [weights if count <= MAX_ROWS else weights[: max(1, len(weights) // 4)] for count in COUNTS]
     inputs = [{weight.shape[1]: torch.randn(count, weight.shape[1]).to(dtype) for weight, _ in weights}
               for count in COUNTS]
-    best = {name: [[math.inf] * len(weights) for _ in COUNTS] for name in candidates}
+    best = {name: [[math.inf] * len(stream) for stream in streams] for name in candidates}
     for _ in range(REPEATS):
         for index in range(len(COUNTS)):
             for name in candidates:
@@ -225,7 +232,7 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
                                       count < NARROW_FROM and "narrow" in name):
                     continue  # past 16 rows groups take their counts' bits; one row is always read a row at a time;
                     # fewer than NARROW_FROM rows are one group either way
-                for slot, (weight, packed) in enumerate(weights):
+                for slot, (weight, packed) in enumerate(streams[index]):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
                     best[name][index][slot] = min(best[name][index][slot], taken)
     begun = time.perf_counter()  # the copy as a call makes it: every weight reordered into fresh memory
@@ -237,26 +244,41 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
 
 
 def workload(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Weights in `dtype` (with oneDNN's copies where it runs) of twice the last-level cache, at least 64 MiB: a
-    product then streams its weights from memory, as in a model's step."""
+    """Weights in `dtype` (with oneDNN's copies where it runs) of `streamed_bytes`: a product then streams its weights
+    from memory, as in a model's step.
+
+    Why so many: a last-level cache keeps part of a stream it sees again and again, so over weights of two such
+    caches (64 MiB on an AMD EPYC with 32 MiB) a share of each product came from it, and one row with the L1
+    prefetch ("rows_near") was timed faster there (0.84-0.99x) and was chosen in about half the measurements,
+    though in SmolLM2's steps, weights from memory, it ran 8-29% slower in bf16 and up to 11% in fp32; over eight,
+    it was timed slower (1.03-1.30x, one of eight even)."""
     onednn = "onednn" in available(dtype)
     total, weights = 0, []
-    while total < max(2 * _last_level_cache(), 64 << 20):
+    while total < streamed_bytes():
         weight = torch.randn(SHAPES[len(weights) % len(SHAPES)]).to(dtype)
         weights.append((weight, torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT) if onednn else None))
         total += weight.numel() * weight.element_size()
     return weights
 
 
-def _last_level_cache() -> int:
-    sizes = [0]
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+def streamed_bytes(cache: int | None = None) -> int:
+    """Bytes to read so that all but a sliver of a read comes from memory: `CACHE_MULTIPLE` last-level caches (this
+    CPU's, or `cache` bytes), within `STREAM_BOUNDS`."""
+    return min(max(STREAM_BOUNDS[0], CACHE_MULTIPLE * (last_level_cache() if cache is None else cache)),
+               STREAM_BOUNDS[1])
+
+
+def last_level_cache() -> int:
+    """The CPU's largest cache as Linux reports it, in bytes (0 if it does not)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
-            text = (index / "size").read_text().strip()
+            text = path.read_text().strip()
         except OSError:
             continue
-        sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
-    return max(sizes) or 32 << 20
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=0)
 
 
 def _time(name: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> float:

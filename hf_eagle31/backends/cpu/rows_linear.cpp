@@ -13,7 +13,7 @@
 //
 // `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), three bits
 // for r rows: bit r - 1 (`near`) also prefetches the weights a few lines ahead into L1, so that loads wait less (on
-// an AMD EPYC one row 3-7% and 8-16 rows 5-20% faster, 2-6 rows within a few percent either way); bit 16 + r - 1
+// an AMD EPYC 8-16 rows 5-20% faster, 2-6 rows within a few percent either way, one row slower); bit 16 + r - 1
 // (`single`) reads one weight row at a time (W = 1) as one row does, a single stream, reloading the input rows from
 // L1 for every weight vector (on an AMD EPYC 2-8 bf16 rows 1.2-1.3x faster; 2-3 fp32 rows of 576 features 0.7-0.85x
 // as fast, 4 rows 1.15x); bit 32 + r - 1 (`narrow`) multiplies 7-16 rows in groups of up to 6 against W = 4 weight
