@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from transformers.utils import output_capturing
 
 from hf_eagle31.backends import fast_bf16
-from hf_eagle31.backends.cpu import routes
+from hf_eagle31.backends.cpu import pages, routes
 from hf_eagle31.interrupts import Held
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -226,6 +226,7 @@ class Products:
             for index, layer in enumerate(members):
                 self.by_layer[id(layer)] = (layer, product, index)
                 self.by_weight[id(layer.weight)] = (product, index)
+        pages.collapse(layer.weight for layer, _, _ in self.by_layer.values())  # each step streams them (pages.py)
 
     def fresh(self) -> bool:
         """Whether every layer still holds the weights its product was made from, unchanged by any path (checked per

@@ -1,0 +1,75 @@
+"""Huge pages under the weights the CPU backend streams (hf_eagle31/backends/cpu/pages.py): in place, the same
+addresses and values, or nothing where Linux cannot."""
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_target
+
+from hf_eagle31.backends.cpu import pages
+from hf_eagle31.backends.cpu import products as cpu_products
+from hf_eagle31.backends.cpu.products import Products, can_pack
+
+
+def collapsing() -> bool:
+    """Whether this system moves memory onto huge pages in place: Linux 6.1 or later, huge pages not turned off."""
+    if pages._madvise() is None:
+        return False
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    major, minor = (int(part) for part in os.uname().release.split(".")[:2])
+    return enabled.exists() and "[never]" not in enabled.read_text() and (major, minor) >= (6, 1)
+
+
+def huge_kib() -> int:
+    """The process's anonymous memory on huge pages, in KiB."""
+    return sum(int(line.split()[1]) for line in Path("/proc/self/smaps").read_text().splitlines()
+               if line.startswith("AnonHugePages:"))
+
+
+@pytest.mark.skipif(not collapsing(), reason="Linux 6.1+ with huge pages not turned off moves memory onto them")
+def test_weights_go_onto_huge_pages_in_place():
+    weight = torch.randn(3 << 20)  # 12 MiB: five aligned 2 MiB ranges at least
+    address, values, before = weight.data_ptr(), weight.clone(), huge_kib()
+    done = pages.collapse([weight])
+    assert done >= 5 and huge_kib() - before >= done * 2048
+    assert weight.data_ptr() == address and torch.equal(weight, values)
+    assert pages.collapse([weight]) == done  # already there: done again at once
+
+
+@pytest.mark.skipif(not collapsing(), reason="Linux 6.1+ with huge pages not turned off moves memory onto them")
+def test_tensors_side_by_side_are_one_span():
+    """A model's weights lie one after another, each smaller than a huge page (SmolLM2's o_proj: 0.66 MB in bf16):
+    alone, none holds an aligned 2 MiB range."""
+    layers = torch.randn(9 << 18)[: 8 << 18].split(1 << 18)  # eight 1 MiB weights side by side
+    assert sum(pages.collapse([weight]) for weight in layers) == 0
+    assert pages._spans(layers) == [(layers[0].data_ptr(), layers[-1].data_ptr() + layers[-1].nbytes)]
+    assert pages.collapse(layers) >= 3
+
+
+def test_memory_mapped_from_a_file_is_left_as_it_is(tmp_path):
+    """As fp32 weights loaded straight from safetensors are: Linux refuses, nothing changes."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    weight = torch.frombuffer(mapped, dtype=torch.uint8)
+    values = weight.clone()
+    assert pages.collapse([weight]) == 0 and torch.equal(weight, values)
+
+
+def test_nothing_is_asked_where_there_is_no_madvise(monkeypatch):
+    monkeypatch.setattr(pages, "_madvise", lambda: None)
+    assert pages.collapse([torch.randn(3 << 20)]) == 0
+
+
+@pytest.mark.skipif(not can_pack(make_target()), reason="the CPU backend needs a CPU build with mkldnn")
+def test_a_models_products_ask_for_every_weight_they_stream(monkeypatch):
+    asked = []
+    monkeypatch.setattr(cpu_products.pages, "collapse", lambda tensors: asked.extend(tensors) or 0)
+    target = make_target()
+    Products(target)
+    linears = [module for module in target.modules() if isinstance(module, torch.nn.Linear)]
+    assert {id(weight) for weight in asked} == {id(linear.weight) for linear in linears}
