@@ -92,7 +92,7 @@ def test_benchmark_runs_every_method_on_the_same_prompts(tmp_path, monkeypatch):
 
 
 def test_headline_ratios_and_deep_acceptance_by_hand():
-    from hf_eagle31.bench.report import headline, markdown_table
+    from hf_eagle31.bench.report import headline, markdown_table, roofline_text
     from hf_eagle31.bench.roofline import Roofline
     from hf_eagle31.bench.runner import MethodResult, combine
 
@@ -129,6 +129,25 @@ def test_headline_ratios_and_deep_acceptance_by_hand():
     assert "| EAGLE 3.1 tree | 51.0 | 66.7 | 1.31 | 4.00x | 5.00x | 2.38 |" in markdown_table(results, 2, roofline=floor)
     assert "| target alone | 10.2 | 10.5 | 0.21 | 0.80x |" in markdown_table(results, 2, roofline=floor)
     assert "| target alone | 10.2 | 0.80x |" in markdown_table(results, 2)  # no roofline, no column
+    # a method judged against the bandwidth probed around its own calls: half the run's fastest, twice the share
+    results[0].bandwidth = 2.55e9
+    assert "| target alone | 10.2 | 10.5 | 0.41 | 0.80x |" in markdown_table(results, 2, roofline=floor)
+    assert "target alone 2.5" in roofline_text(floor, None, results)
+
+
+def test_each_method_gets_the_faster_bandwidth_probed_right_before_and_after_its_calls():
+    """A shared host's read bandwidth moves between levels for tens of seconds at a time: a method that ran in a slow
+    spell was judged against a floor probed in a fast one."""
+    from hf_eagle31.bench.runner import combine
+
+    target = make_target()
+    probes = iter([30e9, 50e9, 45e9, 20e9])  # around the first method's calls, then the second's
+    results = run_all(target, [PROMPTS[:1]], [Method("target alone"), Method("target alone, again")],
+                      max_new_tokens=4, progress=False, probe=lambda: next(probes))
+    assert [r.bandwidth for r in results] == [50e9, 45e9]
+    assert [r.bandwidth for r in combine([results, results])] == [50e9, 45e9]
+    assert run_all(target, [PROMPTS[:1]], [Method("target alone")], max_new_tokens=4, progress=False)[0].bandwidth \
+        is None
 
 
 def test_drift_study_writes_its_table_and_plot(tmp_path):
@@ -339,10 +358,12 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys, monkeypatch):
     assert line["floor_tokens_per_second"] == pytest.approx(line["bandwidth_bytes_per_second"] / line["step_bytes"])
     # ... over each method's rate after the first token, its first tokens timed apart (a call for one token each;
     # none where, over 6 tokens, they took as long as the whole calls)
+    # at the bandwidth probed around the method's own calls, none faster than the run's fastest
     decoded = [m for m in results["methods"] if m["seconds"] > m["first_token_seconds"] > 0]
     assert decoded and all(m["decode_tokens_per_second"] == pytest.approx((m["new_tokens"] - 1) / (
         m["seconds"] - m["first_token_seconds"])) and m["of_floor"] == pytest.approx(
-        m["decode_tokens_per_second"] / line["floor_tokens_per_second"]) for m in decoded)
+        m["decode_tokens_per_second"] * line["step_bytes"] / m["bandwidth_bytes_per_second"]) for m in decoded)
+    assert all(0 < m["bandwidth_bytes_per_second"] <= line["bandwidth_bytes_per_second"] for m in results["methods"])
     assert {path: list(curve) for path, curve in line["verify_seconds"].items()} == \
         {path: ["1", "2", "3", "4", "6", "8", "12", "16"] for path in ("default", "cpu backend")}
     printed = capsys.readouterr().out

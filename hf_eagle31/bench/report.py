@@ -59,13 +59,18 @@ def markdown_table(results: list[MethodResult], prompts: int, tuning: dict | Non
 
 def _decode_cells(result: MethodResult, prompts: int, roofline: Roofline) -> str:
     rate = result.decode_tokens_per_second(prompts)
-    return "- | -" if rate is None else f"{rate:.1f} | {roofline.of_floor(rate):.2f}"
+    return "- | -" if rate is None else f"{rate:.1f} | {of_floor(result, prompts, roofline):.2f}"
 
 
 def of_floor(result: MethodResult, prompts: int, roofline: Roofline | None) -> float | None:
-    """The method's rate after the first token over the floor rate (None without a roofline or first tokens)."""
+    """The method's rate after the first token over the floor rate at the bandwidth probed around its own calls
+    (`MethodResult.bandwidth`; the roofline's where none was), None without a roofline or first tokens.
+
+    Why its own: a shared host's read bandwidth moves between levels for tens of seconds at a time, so a method
+    that ran through a slow spell was judged against a floor probed in a fast one (bf16 SmolLM2's plain decoding
+    at 0.43-0.51 of a run's fastest probe, at 0.70-0.84 of probes taken beside each of its calls)."""
     rate = result.decode_tokens_per_second(prompts)
-    return None if roofline is None or rate is None else roofline.of_floor(rate)
+    return None if roofline is None or rate is None else roofline.of_floor(rate, result.bandwidth)
 
 
 def dataset_table(per_dataset: dict[str, list[MethodResult]], prompts: dict[str, int]) -> str:
@@ -134,9 +139,13 @@ def tuning_table(tuning: dict[str, dict]) -> str:
     return "\n\n".join(lines)
 
 
-def roofline_text(roofline: Roofline, verify_seconds: dict | None) -> str:
-    """The roofline in words, and beside it the verify cost curve: n rows in one forward over one plain step."""
+def roofline_text(roofline: Roofline, verify_seconds: dict | None, results: list[MethodResult] = ()) -> str:
+    """The roofline in words, the bandwidth probed around each method's calls (its "over floor rate" is against
+    that), and beside them the verify cost curve: n rows in one forward over one plain step."""
     text = f"**Roofline**: {roofline.describe()}; counted: {COUNTED}."
+    probed = [f"{r.name} {r.bandwidth / 1e9:.1f}" for r in results if r.bandwidth]
+    if probed:
+        text += f"\n\nRead bandwidth probed around each method's calls (GB/s, its floor's): {', '.join(probed)}."
     if verify_seconds:
         floor = roofline.floor_seconds / verify_seconds["default"][1]
         text += f"\n\nVerify cost, {table(verify_seconds)}\n\nthe floor (a step's weights read once): {floor:.2f} t(1)"
@@ -150,6 +159,7 @@ def _rows(results: list[MethodResult], prompts: int, tuning: dict, roofline: Roo
             "tokens_per_second": r.tokens_per_second,
             "decode_tokens_per_second": r.decode_tokens_per_second(prompts),
             "of_floor": of_floor(r, prompts, roofline),
+            "bandwidth_bytes_per_second": r.bandwidth,
             "speedup": r.speedup,
             "speedup_default": r.speedup_default,
             "tau": r.tau(prompts),
@@ -191,7 +201,7 @@ def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta
     if per_dataset:
         datasets = dataset_table({k: v[0] for k, v in per_dataset.items()}, {k: v[1] for k, v in per_dataset.items()})
         datasets = f"\n{datasets}\n"
-    floor = f"{roofline_text(roofline, verify_seconds)}\n\n" if roofline else ""
+    floor = f"{roofline_text(roofline, verify_seconds, results)}\n\n" if roofline else ""
     (out_dir / "results.md").write_text(f"{markdown_table(results, prompts, tuning, roofline)}\n{datasets}\n"
                                         f"{summary}\n{floor}{tuning_table(tuning)}\n")
     plot_results(out_dir, results, prompts, tuning)

@@ -78,9 +78,10 @@ class Roofline:
         """Tokens per second of plain decoding at the floor."""
         return 1.0 / self.floor_seconds
 
-    def of_floor(self, tokens_per_second: float) -> float:
-        """A decoding's tokens/s over the floor rate: about 1 at most for a plain one, above 1 only by speculating."""
-        return tokens_per_second / self.floor_rate
+    def of_floor(self, tokens_per_second: float, bandwidth: float | None = None) -> float:
+        """A decoding's tokens/s over the floor rate (at `bandwidth`, this roofline's by default): about 1 at most for
+        a plain one, above 1 only by speculating."""
+        return tokens_per_second * self.step_bytes / (bandwidth or self.bandwidth)
 
     def describe(self) -> str:
         return (f"read bandwidth {self.bandwidth / 1e9:.1f} GB/s, {self.step_bytes / 1e6:.0f} MB of {self.dtype} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class MethodResult:
     identical_prompts: int | None = None  # how many prompts' outputs equal the baseline's (None: not compared)
     step_seconds: float | None = None  # the EAGLE loop's drafting, verifying and plain steps (no prefill, packing)
     first_token_seconds: float | None = None  # each prompt's call for one new token (`first_token_seconds`), summed
+    bandwidth: float | None = None  # bytes/s: the faster read bandwidth probed right before its calls and after them
 
     @property
     def tokens_per_second(self) -> float:
@@ -133,22 +135,25 @@ def run_method(
     reference: list[torch.Tensor] | None = None,
     progress: bool = True,
     temperature: float = 0.0,
+    probe: Callable[[], float] | None = None,
 ) -> tuple[MethodResult, list[torch.Tensor]]:
     """Decode every prompt with `method` (greedy, or sampled at `temperature` with a fixed seed per prompt);
-    greedy outputs are compared with `reference` outputs when given."""
+    greedy outputs are compared with `reference` outputs when given; `probe`: the read bandwidth, measured right
+    before the method's timed calls and after them (`MethodResult.bandwidth`)."""
     if method.drafter is None:
-        return _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature)
+        return _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature, probe)
     with speculation_settings(method.drafter, **method.speculation):
-        return _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature)
+        return _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature, probe)
 
 
 SHAPE = ("speculation_mode", "num_assistant_tokens", "tree_top_k", "tree_depth", "tree_total_tokens")
 
 
-def _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature=0.0):
+def _run_method(target, prompts, method, max_new_tokens, reference, progress, temperature=0.0, probe=None):
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     kwargs = {**sampling, "max_new_tokens": max_new_tokens, **method.generate_kwargs}
     timed_generate(target, prompts[0], 0, {**kwargs, "max_new_tokens": min(8, max_new_tokens)})  # warm-up
+    before = probe() if probe is not None else None
     first = first_token_seconds(target, prompts, kwargs)
     outputs, seconds, reached, accepted, steps = [], 0.0, [], [], 0.0
     with peak_memory(target.device) as memory, count_forwards(target) as forwards:
@@ -161,6 +166,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
                 reached = _add(reached, stats.reached)
                 accepted = _add(accepted, stats.accepted)
                 steps += stats.draft_seconds + stats.verify_seconds + stats.plain_seconds
+    bandwidth = None if probe is None else max(before, probe())
     new_tokens = sum(o.shape[1] - p.shape[1] for o, p in zip(outputs, prompts))
     matches = None if reference is None or temperature > 0 else [torch.equal(o, r) for o, r in zip(outputs, reference)]
     used = method.drafter.generation_config if method.drafter is not None else None
@@ -174,6 +180,7 @@ def _run_method(target, prompts, method, max_new_tokens, reference, progress, te
         identical_prompts=None if matches is None else sum(matches),
         step_seconds=steps if method.drafter is not None else None,
         first_token_seconds=first,
+        bandwidth=bandwidth,
         reached=reached,
         accepted=accepted,
         speculation={name: getattr(used, name, None) for name in SHAPE} if used is not None else {},
@@ -208,12 +215,13 @@ def _add(total: list[int], more: list[int]) -> list[int]:
 
 def run_all(
     target: PreTrainedModel, prompts: list[torch.Tensor], methods: list[Method], max_new_tokens: int,
-    progress: bool = True, temperature: float = 0.0,
+    progress: bool = True, temperature: float = 0.0, probe: Callable[[], float] | None = None,
 ) -> list[MethodResult]:
     """Run `methods` in order; the first is the baseline every speedup and output is compared with."""
     results, reference = [], None
     for method in tqdm(methods, desc="methods", disable=not progress):
-        result, outputs = run_method(target, prompts, method, max_new_tokens, reference, progress, temperature)
+        result, outputs = run_method(target, prompts, method, max_new_tokens, reference, progress, temperature,
+                                     probe)
         reference = reference or outputs
         results.append(result)
     _speedups(results)
@@ -243,6 +251,7 @@ def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
         memory = [r.peak_memory_bytes for r in same if r.peak_memory_bytes is not None]
         identical, matches = [r.identical_to_target for r in same], [r.identical_prompts for r in same]
         steps, firsts = [r.step_seconds for r in same], [r.first_token_seconds for r in same]
+        bandwidths = [r.bandwidth for r in same]
         reached, accepted = [], []
         for r in same:
             reached, accepted = _add(reached, r.reached), _add(accepted, r.accepted)
@@ -253,6 +262,7 @@ def combine(runs: list[list[MethodResult]]) -> list[MethodResult]:
             identical_prompts=None if None in matches else sum(matches), reached=reached, accepted=accepted,
             speculation=same[0].speculation, step_seconds=None if None in steps else sum(steps),
             first_token_seconds=None if None in firsts else sum(firsts),
+            bandwidth=None if None in bandwidths else max(bandwidths),
         ))
     _speedups(combined)
     return combined

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import shlex
@@ -192,6 +193,7 @@ def run_in_parts(target, measured: dict[str, list[torch.Tensor]], methods, args)
     part's methods having run in one process."""
     from dataclasses import asdict
 
+    from hf_eagle31.bench.roofline import read_bandwidth
     from hf_eagle31.bench.runner import MethodResult, combine, run_all
 
     folder = Path(args.out) / "parts"
@@ -207,7 +209,8 @@ def run_in_parts(target, measured: dict[str, list[torch.Tensor]], methods, args)
             if path.exists():
                 results = [MethodResult(**r) for r in json.loads(path.read_text())]
             else:
-                results = run_all(target, chunks[index], methods, args.max_new_tokens, temperature=args.temperature)
+                results = run_all(target, chunks[index], methods, args.max_new_tokens, temperature=args.temperature,
+                                  probe=functools.partial(read_bandwidth, target.device))
                 path.with_suffix(".tmp").write_text(json.dumps([asdict(r) for r in results]))
                 path.with_suffix(".tmp").replace(path)
             done[name].append(results)
@@ -286,14 +289,14 @@ def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
     }
 
 
-def measure_roofline(target, drafters: dict, args: argparse.Namespace, bandwidth_before: float):
+def measure_roofline(target, drafters: dict, args: argparse.Namespace, bandwidths: list[float]):
     """The memory roofline of the target's step on this machine, and beside it the verify cost curve of blocks of
     1-16 rows on the layers the drafter reads (None without a drafter): both measured after the methods ran, the
-    roofline at the faster of the read bandwidths before and after them."""
+    roofline at the fastest of the read bandwidths probed in the run (`bandwidths`) and after it."""
     from hf_eagle31.bench.roofline import Roofline
     from hf_eagle31.bench.verify_cost import SIZES, measure
 
-    roofline, verify = Roofline.measure(target, [bandwidth_before]), None
+    roofline, verify = Roofline.measure(target, bandwidths), None
     if drafters:
         layer_ids = drafters.get("EAGLE 3.1", next(iter(drafters.values()))).config.target_layer_ids
         verify = measure(target, layer_ids, rounds=3, compiled=args.compile_verify,
@@ -393,7 +396,8 @@ def run_comparison(target, drafters: dict, assistant, measured: dict[str, list[t
     meta["prompts"] = {name: n for name, (_, n) in per_dataset.items()}  # measured, with --max-parts fewer than chosen
     if args.project:
         meta["projections"] = projections(args, tuning, target.dtype)
-    roofline, verify = measure_roofline(target, drafters, args, bandwidth_before)
+    probed = [bandwidth_before, *(r.bandwidth for r in results if r.bandwidth)]
+    roofline, verify = measure_roofline(target, drafters, args, probed)
     write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None,
                   roofline, verify)
     print_comparison(results, prompts, per_dataset, tuning, roofline, verify, meta)
@@ -408,7 +412,7 @@ def print_comparison(results, prompts: int, per_dataset: dict, tuning: dict, roo
     if len(per_dataset) > 1:
         print("\n" + dataset_table({k: v[0] for k, v in per_dataset.items()}, {k: v[1] for k, v in per_dataset.items()}))
     print("\n" + "\n".join(headline(results, prompts, roofline)))
-    print("\n" + roofline_text(roofline, verify))
+    print("\n" + roofline_text(roofline, verify, results))
     if tuning:
         print("\n" + tuning_table(tuning))
     for shape, projection in meta.get("projections", {}).items():
