@@ -123,8 +123,8 @@ def test_a_kept_file_without_the_copys_cost_is_measured_again(tmp_path):
 
 
 def test_a_kept_file_timed_over_a_stream_the_cache_held_part_of_is_measured_again(tmp_path):
-    """Over weights of two last-level caches, one row with the L1 prefetch was timed faster in about half the
-    measurements on an AMD EPYC, and ran SmolLM2's steps 8-29% slower (bf16) with it."""
+    """Over weights of two last-level caches, one row with the L1 prefetch was timed faster in 15 of 22 measurements on
+    an AMD EPYC, and ran SmolLM2's steps 3-29% slower (bf16) with it."""
     path = tmp_path / "routes.json"
     seconds = {name: [1.0] * COUNTS for name in ("rows", "torch")}
     record = {"counts": list(routes.COUNTS), "routes": ["rows"] * COUNTS, "seconds": seconds, "copy_seconds": 0.0}

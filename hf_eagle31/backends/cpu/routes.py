@@ -249,9 +249,9 @@ def workload(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None
 
     Why so many: a last-level cache keeps part of a stream it sees again and again, so over weights of two such
     caches (64 MiB on an AMD EPYC with 32 MiB) a share of each product came from it, and one row with the L1
-    prefetch ("rows_near") was timed faster there (0.84-0.99x) and was chosen in about half the measurements,
-    though in SmolLM2's steps, weights from memory, it ran 8-29% slower in bf16 and up to 11% in fp32; over eight,
-    it was timed slower (1.03-1.30x, one of eight even)."""
+    prefetch ("rows_near") was timed faster there (0.85-1.03x its time) and was chosen in 15 of 22 measurements,
+    though in SmolLM2's steps, weights from memory, it ran 3-29% slower in bf16 and up to 11% in fp32; over eight,
+    it was timed 0.99-1.28x (chosen in 2 of 12, fp32, within 1%)."""
     onednn = "onednn" in available(dtype)
     total, weights = 0, []
     while total < streamed_bytes():
