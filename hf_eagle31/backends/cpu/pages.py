@@ -25,6 +25,7 @@ import torch
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB base pages) huge page
 MADV_COLLAPSE = 25  # linux/mman.h
 GAP = 4096  # tensors nearer than this are one span: between them lie an allocator's few bytes of bookkeeping
+REFUSALS = 8  # ranges refused in a row as memory Linux never collapses before the rest of a span is given up
 
 
 def collapse(tensors: Iterable[torch.Tensor]) -> int:
@@ -35,12 +36,14 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
         return 0
     done = 0
     for start, end in _spans(tensors):
-        first = -(-start // HUGE_PAGE) * HUGE_PAGE
+        first, refused = -(-start // HUGE_PAGE) * HUGE_PAGE, 0
         for address in range(first, end - HUGE_PAGE + 1, HUGE_PAGE):
             if advise(address, HUGE_PAGE, MADV_COLLAPSE) == 0:
-                done += 1
-            elif ctypes.get_errno() == errno.EINVAL:  # memory it never collapses (a file's): so is the rest
-                break
+                done, refused = done + 1, 0
+            elif ctypes.get_errno() == errno.EINVAL:
+                refused += 1
+                if refused == REFUSALS:  # memory it never collapses (a file's mapping): so is the rest of the span
+                    break
     return done
 
 
