@@ -46,8 +46,8 @@ def collapsed(tensors) -> int:
 
 
 def fresh(floats: int) -> torch.Tensor:
-    """Random floats on memory mapped for the test alone. Memory with a history can be refused in part (in a long
-    test process 3 of 5 ranges of a 12 MiB tensor were collapsed: pages shared with a forked child, say)."""
+    """Random floats on memory mapped for the test alone: memory with a history can be refused in part (in the full
+    suite's long process Linux collapsed 3 of the 5 ranges of a 12 MiB tensor on the heap)."""
     memory = mmap.mmap(-1, floats * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(memory, dtype=torch.float32).normal_()
 
