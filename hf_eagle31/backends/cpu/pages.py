@@ -3,13 +3,13 @@
 Why: a decoding step reads every weight once, so on 4 KiB pages it meets a new page, and a TLB miss, every 4 KiB:
 about 65,000 times a step for bf16 SmolLM2's 269 MB, against about 130 on 2 MiB pages. On an AMD EPYC (2 threads, a
 KVM guest) bf16 SmolLM2 with its weights on huge pages ran 1.08x the tokens/s in `fast_decoding` and 1.07x in EAGLE
-3.1 (medians of 16 in-process rounds, 52-59 GB/s of read bandwidth; a token 0.84-0.95x the time at 40-46 GB/s,
-0.95-1.02x at 28-31). Linux 6.1 and later moves anonymous memory onto huge pages in place (`madvise(MADV_COLLAPSE)`):
-the tensors, the model and anything else on that memory see no change, and nothing is copied beside them. Where it
-cannot (weights mapped from a file, as fp32 weights loaded straight from safetensors are; an older kernel; huge pages
-turned off; another system) nothing changes. It costs each range once: on that guest about 2 ms per MB at the first
-use of the memory (the host backing it), 0.3 ms after; asked again, a range already on a huge page returns at once
-(0.3-0.7 ms for SmolLM2's 121 ranges).
+3.1 (medians of 16 in-process rounds, 52-59 GB/s of read bandwidth; in another 40, a token 0.84-0.98x the time,
+median 0.91, at 39-47 GB/s, 0.88-1.0x at 28-31). Linux 6.1 and later moves anonymous memory onto huge pages in place
+(`madvise(MADV_COLLAPSE)`): the tensors, the model and anything else on that memory see no change, and nothing is
+copied beside them. Where it cannot (weights mapped from a file, as fp32 weights loaded straight from safetensors
+are; an older kernel; huge pages turned off; another system) nothing changes. It costs each range once: on that guest
+about 2 ms per MB at the first use of the memory (the host backing it), 0.3 ms after; asked again, a range already on
+a huge page returns at once (0.3-0.7 ms for SmolLM2's 121 ranges).
 """
 
 from __future__ import annotations
