@@ -292,7 +292,7 @@ def projections(args, tuning: dict, dtype: torch.dtype) -> dict:
 def measure_roofline(target, drafters: dict, args: argparse.Namespace, bandwidths: list[float]):
     """The memory roofline of the target's step on this machine, and beside it the verify cost curve of blocks of
     1-16 rows on the layers the drafter reads (None without a drafter): both measured after the methods ran, the
-    roofline at the fastest of the read bandwidths probed in the run (`bandwidths`) and after it."""
+    roofline at the fastest of the read bandwidths probed around them (`bandwidths`) and after them."""
     from hf_eagle31.bench.roofline import Roofline
     from hf_eagle31.bench.verify_cost import SIZES, measure
 
@@ -376,7 +376,6 @@ def run_comparison(target, drafters: dict, assistant, measured: dict[str, list[t
                    calibration: list[torch.Tensor], args: argparse.Namespace, meta: dict) -> int:
     """The methods' table over the measured prompts, with the draft shapes tuned (or shipped) and the roofline."""
     from hf_eagle31.bench.report import write_results
-    from hf_eagle31.bench.roofline import read_bandwidth
     from hf_eagle31.bench.runner import combine
 
     meta["prompts"] = {name: len(p) for name, p in measured.items()}
@@ -389,14 +388,13 @@ def run_comparison(target, drafters: dict, assistant, measured: dict[str, list[t
         meta["tuning_source"] = "this run (calibration prompts, then this device's costs)"
     methods = methods_for(drafters, assistant, args.prompt_lookup_tokens, args.verify_modes, args.temperature > 0,
                           args.compile_verify)
-    bandwidth_before = read_bandwidth(target.device)
     per_dataset = run_in_parts(target, measured, methods, args)
     results = combine([r for r, _ in per_dataset.values()])
     prompts = sum(n for _, n in per_dataset.values())
     meta["prompts"] = {name: n for name, (_, n) in per_dataset.items()}  # measured, with --max-parts fewer than chosen
     if args.project:
         meta["projections"] = projections(args, tuning, target.dtype)
-    probed = [bandwidth_before, *(r.bandwidth for r in results if r.bandwidth)]
+    probed = [r.bandwidth for r in results if r.bandwidth]  # around each method's calls (`run_in_parts`)
     roofline, verify = measure_roofline(target, drafters, args, probed)
     write_results(Path(args.out), results, prompts, meta, tuning, per_dataset if len(per_dataset) > 1 else None,
                   roofline, verify)
