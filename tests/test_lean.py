@@ -229,6 +229,30 @@ def test_a_forward_computed_whole_by_the_rows_library_is_the_lean_forwards_to_a_
         assert torch.equal(whole_logits.argmax(-1), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [False, True])
+def test_a_forward_computed_whole_gives_the_same_bits_on_any_number_of_threads(monkeypatch, dtype, block):
+    """rows_step.cpp runs a forward on every thread of one parallel region, the products, attention and gate split
+    among them and the rest computed by each: on one thread nothing is split, three split each product and the gate
+    unevenly (and leave one idle in the attention over the tiny model's two key/value heads), yet each output is
+    summed by one thread in one order."""
+    target = make_target("llama", seed=11, dtype=dtype)
+    if not rows.attends(target.model.layers[0].self_attn.head_dim):
+        pytest.skip("the rows library does not attend over these heads here")
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            kernel_routes(monkeypatch, dtype)
+            outputs.append(lean_forward(target, True, block))
+    finally:
+        torch.set_num_threads(threads)
+    (logits, features, cache), (split_logits, split_features, split_cache) = outputs
+    assert torch.equal(split_logits, logits) and torch.equal(split_features, features)
+    assert all(torch.equal(a, b) for layer, split in zip(cache, split_cache) for a, b in zip(layer, split))
+
+
 def test_a_step_is_computed_whole_only_for_mlps_gated_by_silu():
     """rows_step.cpp computes SiLU's gate: another activation takes the lean forward on torch's ops."""
     target = make_target(seed=5)

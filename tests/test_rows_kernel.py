@@ -251,7 +251,8 @@ def test_a_later_process_loads_the_built_library_without_torchs_builder():
 @needs_kernel
 @pytest.mark.parametrize("policy", ["PASSIVE", "active", None])
 def test_sleeping_openmp_workers_are_named_once_when_the_kernel_loads(policy):
-    """`OMP_WAIT_POLICY=PASSIVE` made every product wake a sleeping worker: a step 2-3x slower, and nothing said why."""
+    """`OMP_WAIT_POLICY=PASSIVE` made every wait between products wake a sleeping worker: a step slower, and nothing said
+    why."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if policy is not None:
         environment["OMP_WAIT_POLICY"] = policy

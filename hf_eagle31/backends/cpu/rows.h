@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -54,6 +55,21 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
 }
 
+// The threads of one parallel region that each run a whole forward (rows_step.cpp), splitting its products and
+// attention among them: `thread` of `threads`.
+struct Team {
+  int64_t thread, threads;
+
+  // This thread's part [begin, end) of `count` items, as `at::parallel_for` (`grain`) would give it: equal
+  // contiguous parts of at least `grain` items, all of them to the first thread where there are no more than that.
+  std::pair<int64_t, int64_t> share(int64_t count, int64_t grain) const {
+    const int64_t parts = count <= grain ? 1 : std::min(threads, (count + grain - 1) / grain);
+    const int64_t size = parts > 0 ? (count + parts - 1) / parts : 0;
+    const int64_t begin = std::min(count, thread * size);
+    return {begin, thread < parts ? std::min(count, begin + size) : begin};
+  }
+};
+
 // The weights and bias (fp32, or undefined) the library holds under a product's key (rows_linear.cpp's `hold`), held
 // strongly while a forward runs: looked up once a forward, not once a product.
 struct Weights {
@@ -69,6 +85,10 @@ int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, con
 // x [M, K] times `weights` into out [M, features] (both contiguous, x in the weights' dtype).
 void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways);
 
+// `product_into`'s part that is this thread's (`Team::share` of its blocks of weight rows), every thread of the team
+// calling it: out is whole once all have (a barrier).
+void product_share(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways, const Team& team);
+
 // Layer `layer`'s key and value buffers [B, G, capacity, D] of the cache room the library holds under `room`
 // (rows_attention.cpp's `hold_room`), held strongly while a forward runs.
 std::pair<at::Tensor, at::Tensor> room_layer(int64_t room, int64_t layer);
@@ -78,5 +98,9 @@ std::pair<at::Tensor, at::Tensor> room_layer(int64_t room, int64_t layer);
 // (contiguous): `rows_attention`'s sums, checked by its caller.
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
                  at::Tensor& out);
+
+// `attend_into`'s rows [begin, end) of the B G R rows of q (row b G R + g R + r), on this thread.
+void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
+                 at::Tensor& out, int64_t begin, int64_t end);
 
 }  // namespace hf_eagle31_rows

@@ -70,15 +70,16 @@ def rows_kernel() -> bool:
 
 
 def warn_if_threads_sleep() -> None:
-    """Warn where the environment makes OpenMP's worker threads sleep between parallel regions.
+    """Warn where the environment makes OpenMP's worker threads sleep whenever they wait.
 
-    Why: a decoding step on the kernel runs one parallel region a product (~120 for a 30-layer model), each a few
-    tens of microseconds; a worker woken for each spent more than the product itself (`OMP_WAIT_POLICY=PASSIVE`: a
-    SmolLM2 step's whole forward 2.4-2.9x slower). OpenMP reads the setting when the process starts, so only the
-    user can change it."""
+    Why: a decoding step on the kernel waits for its threads about 150 times (a barrier after each product and
+    attention of its forward's one parallel region, rows_step.cpp; a region a product elsewhere), each a few tens of
+    microseconds apart; a worker woken each time adds to every one (`OMP_WAIT_POLICY=PASSIVE`: a SmolLM2 bf16 step's
+    forward 1.3x slower, 2.4-2.9x with a region a product). OpenMP reads the setting when the process starts, so only
+    the user can change it."""
     if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
-        warnings.warn("OMP_WAIT_POLICY=PASSIVE makes OpenMP's worker threads sleep between parallel regions, and a "
-                      "decoding step on the CPU backend runs one a product: fast_decoding and EAGLE run 2-3x slower. "
+        warnings.warn("OMP_WAIT_POLICY=PASSIVE makes OpenMP's worker threads sleep whenever they wait, and a decoding "
+                      "step on the CPU backend waits for them after each product: fast_decoding and EAGLE run slower. "
                       "Unset it (or set OMP_WAIT_POLICY=ACTIVE) before Python starts.", RuntimeWarning, stacklevel=3)
 
 

@@ -132,22 +132,29 @@ void attend(const T* q, const T* k, int64_t ks, const T* v, int64_t vs, const T*
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
 }
 
-// Every row of `q` [B, G, R, D] over its group's keys, one task per row, into `out` (contiguous).
+// Rows [begin, end) of `q` [B, G, R, D] (row b G R + g R + r) over their groups' keys, into `out` (contiguous).
 template <class T>
-void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, float scale,
-                at::Tensor& out) {
+void attend_range(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, float scale,
+                  at::Tensor& out, int64_t begin, int64_t end) {
   const int64_t G = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   const T* mp = m.defined() ? m.data_ptr<T>() : nullptr;
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, q.size(0) * G * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / (G * R), g = i / R % G, r = i % R;
-      attend(qp + b * q.stride(0) + g * q.stride(1) + r * q.stride(2), kp + b * k.stride(0) + g * k.stride(1),
-             k.stride(2), vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
-             mp ? mp + b * m.stride(0) + g * m.stride(1) + r * m.stride(2) : nullptr, L, D, scale, op + i * D, scores);
-    }
+  std::vector<float> scores;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / (G * R), g = i / R % G, r = i % R;
+    attend(qp + b * q.stride(0) + g * q.stride(1) + r * q.stride(2), kp + b * k.stride(0) + g * k.stride(1),
+           k.stride(2), vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
+           mp ? mp + b * m.stride(0) + g * m.stride(1) + r * m.stride(2) : nullptr, L, D, scale, op + i * D, scores);
+  }
+}
+
+// Every row of `q` [B, G, R, D] over its group's keys, one task per row, into `out` (contiguous).
+template <class T>
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, float scale,
+                at::Tensor& out) {
+  at::parallel_for(0, q.size(0) * q.size(1) * q.size(2), 1, [&](int64_t begin, int64_t end) {
+    attend_range<T>(q, k, v, m, scale, out, begin, end);
   });
 }
 
@@ -219,6 +226,12 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  at::Tensor& out) {
   if (q.scalar_type() == at::kFloat) attend_all<float>(q, k, v, m, static_cast<float>(scale), out);
   else attend_all<at::BFloat16>(q, k, v, m, static_cast<float>(scale), out);
+}
+
+void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
+                 at::Tensor& out, int64_t begin, int64_t end) {
+  if (q.scalar_type() == at::kFloat) attend_range<float>(q, k, v, m, static_cast<float>(scale), out, begin, end);
+  else attend_range<at::BFloat16>(q, k, v, m, static_cast<float>(scale), out, begin, end);
 }
 
 }  // namespace hf_eagle31_rows

@@ -35,6 +35,7 @@
 namespace {
 
 constexpr int C = 12;      // weight rows a parallel block: a multiple of every W below
+constexpr int64_t GRAIN = 2;  // blocks a thread takes at least
 constexpr int AHEAD = 16;  // weight rows prefetched (into L2) ahead of those multiplied
 constexpr int STREAM_AHEAD = 16384;  // bytes one input row's stream prefetches ahead (8-32 KB measured alike)
 constexpr int NEAR = 64;   // elements of a weight row prefetched into L1 ahead of those multiplied, with `near`
@@ -216,39 +217,48 @@ void rows(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, 
   }
 }
 
-// The weights' rows, one after another, as one range of blocks of C rows (a weight's last block may be shorter),
-// split among the threads in one parallel region: a product of several weights (q/k/v, gate/up) starts and joins
-// the threads once, not once a weight (a SmolLM2 step's 210 weights in 120 products).
-template <class E>
-void linear_into(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t ways) {
-  using T = typename E::T;
-  using O = typename E::T;  // the output in the input's type, as torch's product gives it
-  const int64_t M = x2.size(0), K = x2.size(1), N = out.size(1);
-  const T* xp = x2.data_ptr<T>();
-  O* op = out.data_ptr<O>();
-  const size_t count = weights.size();
-  std::vector<int64_t> first(count + 1, 0), column(count + 1, 0);  // each weight's first block, first output
-  for (size_t i = 0; i < count; ++i) {
-    first[i + 1] = first[i] + (weights[i].size(0) + C - 1) / C;
-    column[i + 1] = column[i] + weights[i].size(0);
-  }
-  at::parallel_for(0, first[count], 2, [&](int64_t begin, int64_t end) {
-    for (size_t i = 0; i < count; ++i) {
-      const int64_t from = std::max(begin, first[i]) - first[i], to = std::min(end, first[i + 1]) - first[i];
-      if (from >= to) continue;
-      const int64_t row = from * C, rows_here = std::min(weights[i].size(0), to * C) - row;
-      rows<E>(xp, M, K, weights[i].data_ptr<T>() + row * K, bias ? bias + column[i] + row : nullptr, rows_here,
-              op + column[i] + row, N, ways);
-    }
-  });
+// The weights' rows, one after another, as one range of blocks of C rows (a weight's last block may be shorter):
+// how many, and blocks [begin, end) of it multiplied (a thread's share).
+int64_t blocks_of(at::TensorList weights) {
+  int64_t blocks = 0;
+  for (const auto& w : weights) blocks += (w.size(0) + C - 1) / C;
+  return blocks;
 }
 
-// x2 [M, K] (contiguous) times the weights into out [M, sum N_i] (contiguous), in x2's dtype.
-void multiply(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t ways) {
-  if (x2.scalar_type() == at::kFloat) linear_into<F32>(x2, weights, bias, out, ways);
+template <class E>
+void blocks_into(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t ways,
+                 int64_t begin, int64_t end) {
+  using T = typename E::T;  // the output in the input's type too, as torch's product gives it
+  const int64_t M = x2.size(0), K = x2.size(1), N = out.size(1);
+  int64_t first = 0, column = 0;  // each weight's first block and first output
+  for (const auto& w : weights) {
+    const int64_t blocks = (w.size(0) + C - 1) / C;
+    const int64_t from = std::max(begin, first) - first, to = std::min(end, first + blocks) - first;
+    if (from < to) {
+      const int64_t row = from * C, rows_here = std::min(w.size(0), to * C) - row;
+      rows<E>(x2.data_ptr<T>(), M, K, w.data_ptr<T>() + row * K, bias ? bias + column + row : nullptr, rows_here,
+              out.data_ptr<T>() + column + row, N, ways);
+    }
+    first += blocks;
+    column += w.size(0);
+  }
+}
+
+// x2 [M, K] (contiguous) times the weights into out [M, sum N_i] (contiguous), in x2's dtype: blocks [begin, end).
+void multiply_blocks(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out,
+                     int64_t ways, int64_t begin, int64_t end) {
+  if (x2.scalar_type() == at::kFloat) blocks_into<F32>(x2, weights, bias, out, ways, begin, end);
 #ifdef __AVX512BF16__
-  else linear_into<BF16>(x2, weights, bias, out, ways);
+  else blocks_into<BF16>(x2, weights, bias, out, ways, begin, end);
 #endif
+}
+
+// Every block, split among the threads in one parallel region: a product of several weights (q/k/v, gate/up)
+// starts and joins the threads once, not once a weight.
+void multiply(const at::Tensor& x2, at::TensorList weights, const float* bias, at::Tensor& out, int64_t ways) {
+  at::parallel_for(0, blocks_of(weights), GRAIN, [&](int64_t begin, int64_t end) {
+    multiply_blocks(x2, weights, bias, out, ways, begin, end);
+  });
 }
 
 bool bf16_kernel() {
@@ -351,6 +361,13 @@ int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, con
 
 void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways) {
   multiply(x, weights.weights, weights.bias.defined() ? weights.bias.data_ptr<float>() : nullptr, out, ways);
+}
+
+void product_share(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways, const Team& team) {
+  const auto [begin, end] = team.share(blocks_of(weights.weights), GRAIN);
+  if (begin < end)
+    multiply_blocks(x, weights.weights, weights.bias.defined() ? weights.bias.data_ptr<float>() : nullptr, out, ways,
+                    begin, end);
 }
 
 // x times the weights held under `key` (`hold`), plus their bias: `linear` on them.

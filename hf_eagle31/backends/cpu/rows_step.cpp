@@ -9,8 +9,10 @@
 // (docs/benchmarks.md). Here they are loops over a token's few hundred numbers. Each rounds where torch's operation
 // would (a bf16 result after every operation), so a forward is the lean forward's but for the order of a few sums.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -64,11 +66,12 @@ void turn(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
   });
 }
 
-// The MLP's silu(gate) * up over one row of the gate/up product [gate (I), up (I)], silu(g) = g / (1 + e^-g).
+// The MLP's silu(gate) * up over `count` columns of one row of the gate/up product [gate (I), up (I)] (gate_up and
+// out at the first of them), silu(g) = g / (1 + e^-g).
 template <class T>
-void gate(const T* gate_up, int64_t I, T* out) {
+void gate(const T* gate_up, int64_t I, int64_t count, T* out) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  by16(I, [&](int64_t j, __mmask16 m) {
+  by16(count, [&](int64_t j, __mmask16 m) {
     const __m512 g = load16(gate_up + j, m);
     const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
     store16(out + j, _mm512_mul_ps(silu, load16(gate_up + I + j, m)), m);
@@ -96,13 +99,14 @@ void norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Te
   norm_parts<T>(x, weight, eps, out);
 }
 
-// One forward's sizes and the buffers every layer reuses (B n rows of tokens), allocated once a forward.
+// One forward's sizes and buffers (B n rows of tokens), allocated once a forward: those its threads share, and
+// each thread's own residual stream and norm output (`xs`, `hs`; the same numbers in every thread's).
 struct Forward {
   int64_t B, n, H, D, heads, kv, intermediate, length, ways;  // ways: how products read (rows_linear.cpp)
   double scale;
   int64_t attended;          // the cache entries each query attends over: length + n, or a drafter's slots
   const int64_t* columns;    // where each token's key and value are written (a drafter's); null: behind `length`
-  at::Tensor x, h;           // the residual stream, a norm's output [B n, H]
+  std::vector<at::Tensor> xs, hs;  // each thread's residual stream and norm output [B n, H]
   at::Tensor qkv;            // [B n, (heads + 2 kv) D]
   at::Tensor query, attended_heads;  // [B, kv, G n, D]: a key/value head's G query heads' rows one after another,
                                      // as `grouped_attention` folds them
@@ -112,74 +116,117 @@ struct Forward {
   at::Tensor mask;           // the additive mask [B, kv, G n, attended], or undefined
 };
 
-// The rotary turn of each token's query and key heads in the q/k/v product: queries into `f.query`, keys and values
-// written into the layer's cache buffers [B, kv, capacity, D] behind the `f.length` cached (or at `f.columns`).
+// A layer's key and value buffers [B, kv, capacity, D], and the entries its queries attend over.
+struct LayerCache {
+  at::Tensor keys, values, attended_keys, attended_values;
+};
+
+// Every thread of the team waits for the others here (an OpenMP barrier of the enclosing parallel region).
+inline void all_here() {
+#pragma omp barrier
+}
+
+// `body(team)` on each thread of one parallel region of torch's thread count (`Team`; one thread inside another
+// region). Why one region a forward: a region per product and per attention started and joined the threads 150
+// times a SmolLM2 step while the one thread that went on computed the few hundred numbers between them; here each
+// thread computes those itself (`Forward::xs`, the same numbers in each) and the products, the attention and the
+// gate are split among them, a barrier after each. Measured on a 2-core AMD EPYC, SmolLM2's one-token step alone,
+// in one process against the region-per-product forward: bf16 1.07-1.09x as fast (median of 39-150 rounds in each of
+// five runs) where the host read 45-70 GB/s, 1.01x at 33-36; fp32 1.05x and 1.00x; the same outputs, bit for bit.
+template <class F>
+void in_team(int64_t threads, F body) {
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  body(hf_eagle31_rows::Team{omp_get_thread_num(), omp_get_num_threads()});
+}
+
+// The rotary turn of each token's query and key heads in the q/k/v product for (row, key/value head) pairs
+// [first, last) (pair b kv + g: head g and its G query heads): queries into `f.query`, keys and values written into
+// the layer's cache buffers behind the `f.length` cached (or at `f.columns`).
 template <class T>
-void heads_of(Forward& f, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kb, at::Tensor& vb) {
-  const int64_t D = f.D, width = (f.heads + 2 * f.kv) * D;
-  for (int64_t b = 0; b < f.B; ++b)
+void heads_of(Forward& f, const at::Tensor& cos, const at::Tensor& sin, LayerCache& cache, int64_t first,
+              int64_t last) {
+  const int64_t D = f.D, G = f.heads / f.kv, width = (f.heads + 2 * f.kv) * D;
+  const at::Tensor &kb = cache.keys, &vb = cache.values;
+  for (int64_t pair = first; pair < last; ++pair) {
+    const int64_t b = pair / f.kv, g = pair % f.kv;
     for (int64_t t = 0; t < f.n; ++t) {
       const T* token = f.qkv.data_ptr<T>() + (b * f.n + t) * width;
       const T* c = cos.data_ptr<T>() + (b * f.n + t) * D;
       const T* s = sin.data_ptr<T>() + (b * f.n + t) * D;
-      for (int64_t head = 0; head < f.heads; ++head)
+      for (int64_t head = g * G; head < (g + 1) * G; ++head)
         turn<T>(token + head * D, c, s, D, f.query.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * D);
       const int64_t column = f.columns ? f.columns[t] : f.length + t;
-      for (int64_t head = 0; head < f.kv; ++head) {
-        turn<T>(token + (f.heads + head) * D, c, s, D,
-                kb.data_ptr<T>() + b * kb.stride(0) + head * kb.stride(1) + column * kb.stride(2));
-        std::copy_n(token + (f.heads + f.kv + head) * D, D,
-                    vb.data_ptr<T>() + b * vb.stride(0) + head * vb.stride(1) + column * vb.stride(2));
-      }
+      turn<T>(token + (f.heads + g) * D, c, s, D,
+              kb.data_ptr<T>() + b * kb.stride(0) + g * kb.stride(1) + column * kb.stride(2));
+      std::copy_n(token + (f.heads + f.kv + g) * D, D,
+                  vb.data_ptr<T>() + b * vb.stride(0) + g * vb.stride(1) + column * vb.stride(2));
     }
+  }
 }
 
-// The attended heads [B, heads, n, D] side by side for each token: [B n, heads D].
+// The attended heads [B, heads, n, D] of (row, key/value head) pairs [first, last) side by side for each token:
+// [B n, heads D].
 template <class T>
-void merge_heads(const Forward& f) {
-  for (int64_t b = 0; b < f.B; ++b)
-    for (int64_t head = 0; head < f.heads; ++head)
+void merge_heads(const Forward& f, int64_t first, int64_t last) {
+  const int64_t G = f.heads / f.kv;
+  for (int64_t pair = first; pair < last; ++pair) {
+    const int64_t b = pair / f.kv, g = pair % f.kv;
+    for (int64_t head = g * G; head < (g + 1) * G; ++head)
       for (int64_t t = 0; t < f.n; ++t)
         std::copy_n(f.attended_heads.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * f.D, f.D,
                     f.merged.data_ptr<T>() + ((b * f.n + t) * f.heads + head) * f.D);
+  }
 }
 
-// A layer's attention added to the residual stream: `input` (its norm's output) through `products` q/k/v and o,
-// `cache` its key and value buffers.
+// A layer's attention added to this thread's residual stream: `input` (its norm's output) through `products`
+// q/k/v and o, the (row, key/value head) pairs split among the team.
 template <class T>
-void attention(Forward& f, const at::Tensor& input, const hf_eagle31_rows::Weights* products,
-               std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
-  using hf_eagle31_rows::product_into;
-  product_into(input, products[0], f.qkv, f.ways);
-  heads_of<T>(f, cos, sin, cache.first, cache.second);
-  hf_eagle31_rows::attend_into(f.query, cache.first.narrow(2, 0, f.attended), cache.second.narrow(2, 0, f.attended),
-                               f.mask, f.scale, f.attended_heads);
-  if (f.n > 1) merge_heads<T>(f);
-  product_into(f.merged, products[1], f.out, f.ways);
-  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
+void attention(Forward& f, const hf_eagle31_rows::Team& team, const at::Tensor& input,
+               const hf_eagle31_rows::Weights* products, LayerCache& cache, const at::Tensor& cos,
+               const at::Tensor& sin) {
+  hf_eagle31_rows::product_share(input, products[0], f.qkv, f.ways, team);
+  all_here();
+  const auto [first, last] = team.share(f.B * f.kv, 1);
+  heads_of<T>(f, cos, sin, cache, first, last);
+  const int64_t rows = f.query.size(2);  // a pair's G n query rows
+  hf_eagle31_rows::attend_rows(f.query, cache.attended_keys, cache.attended_values, f.mask, f.scale,
+                               f.attended_heads, first * rows, last * rows);
+  if (f.n > 1) merge_heads<T>(f, first, last);
+  all_here();
+  hf_eagle31_rows::product_share(f.merged, products[1], f.out, f.ways, team);
+  all_here();
+  at::Tensor& x = f.xs[team.thread];
+  add_into<T>(x.data_ptr<T>(), f.out.data_ptr<T>(), x.numel());
 }
 
-// A layer's gated MLP added to the residual stream: its norm (`norm`, `eps`), `products` gate/up and down.
+// A layer's gated MLP added to this thread's residual stream: its norm (`norm`, `eps`), `products` gate/up and
+// down, the gate's columns split among the team.
 template <class T>
-void mlp(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tensor& norm, double eps) {
-  using hf_eagle31_rows::product_into;
-  norm_rows<T>(f.x, norm, eps, f.h);
-  product_into(f.h, products[0], f.gate_up, f.ways);
+void mlp(Forward& f, const hf_eagle31_rows::Team& team, const hf_eagle31_rows::Weights* products,
+         const at::Tensor& norm, double eps) {
+  at::Tensor &x = f.xs[team.thread], &h = f.hs[team.thread];
+  norm_rows<T>(x, norm, eps, h);
+  hf_eagle31_rows::product_share(h, products[0], f.gate_up, f.ways, team);
+  all_here();
+  const auto [from, to] = team.share(f.intermediate, 16);
   for (int64_t row = 0; row < f.B * f.n; ++row)
-    gate<T>(f.gate_up.data_ptr<T>() + row * 2 * f.intermediate, f.intermediate,
-            f.gated.data_ptr<T>() + row * f.intermediate);
-  product_into(f.gated, products[1], f.out, f.ways);
-  add_into<T>(f.x.data_ptr<T>(), f.out.data_ptr<T>(), f.x.numel());
+    gate<T>(f.gate_up.data_ptr<T>() + row * 2 * f.intermediate + from, f.intermediate, to - from,
+            f.gated.data_ptr<T>() + row * f.intermediate + from);
+  all_here();
+  hf_eagle31_rows::product_share(f.gated, products[1], f.out, f.ways, team);
+  all_here();
+  add_into<T>(x.data_ptr<T>(), f.out.data_ptr<T>(), x.numel());
 }
 
-// One decoder layer over the residual stream, in place: `products` its four (q/k/v, o, gate/up, down), `norms` and
-// `eps` its two, `cache` its key and value buffers.
+// One decoder layer over this thread's residual stream, in place: `products` its four (q/k/v, o, gate/up, down),
+// `norms` and `eps` its two, `cache` its key and value buffers.
 template <class T>
-void layer(Forward& f, const hf_eagle31_rows::Weights* products, const at::Tensor* norms, const double* eps,
-           std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
-  norm_rows<T>(f.x, norms[0], eps[0], f.h);
-  attention<T>(f, f.h, products, cache, cos, sin);
-  mlp<T>(f, products + 2, norms[1], eps[1]);
+void layer(Forward& f, const hf_eagle31_rows::Team& team, const hf_eagle31_rows::Weights* products,
+           const at::Tensor* norms, const double* eps, LayerCache& cache, const at::Tensor& cos,
+           const at::Tensor& sin) {
+  norm_rows<T>(f.xs[team.thread], norms[0], eps[0], f.hs[team.thread]);
+  attention<T>(f, team, f.hs[team.thread], products, cache, cos, sin);
+  mlp<T>(f, team, products + 2, norms[1], eps[1]);
 }
 
 // A product's weights (held under `key`), checked once a forward against what the layer multiplies them by.
@@ -200,26 +247,29 @@ void check_layer(const hf_eagle31_rows::Weights* weights, const int64_t* keys, i
 }
 
 // A layer's cache buffers in the room, checked once a forward: room for the block behind the cache.
-std::pair<at::Tensor, at::Tensor> cache_for(int64_t room, int64_t index, const Forward& f, at::ScalarType dtype) {
-  auto buffers = hf_eagle31_rows::room_layer(room, index);
-  for (const auto& buffer : {buffers.first, buffers.second})
+LayerCache cache_for(int64_t room, int64_t index, const Forward& f, at::ScalarType dtype) {
+  auto [keys, values] = hf_eagle31_rows::room_layer(room, index);
+  for (const auto& buffer : {keys, values})
     TORCH_CHECK(buffer.dim() == 4 && buffer.scalar_type() == dtype && buffer.size(0) == f.B &&
                     buffer.size(1) == f.kv && buffer.size(3) == f.D && buffer.stride(3) == 1 &&
                     f.length + f.n <= buffer.size(2),
                 "hf_eagle31_rows::step: the cache buffers of layer ", index, " hold no room for ", f.n,
                 " more entries after ", f.length);
-  return buffers;
+  return {keys, values, keys.narrow(2, 0, f.attended), values.narrow(2, 0, f.attended)};
 }
 
 // The forward's buffers, its queries attending over `attended` cache entries; the mask `mask` [B, 1, G n, attended]
-// expanded over the key/value heads.
+// expanded over the key/value heads; `threads` residual streams starting at x.
 Forward forward_for(const at::Tensor& x, int64_t D, int64_t heads, int64_t kv, int64_t intermediate, int64_t length,
-                    int64_t attended, const c10::optional<at::Tensor>& mask, double scale, int64_t ways) {
+                    int64_t attended, const c10::optional<at::Tensor>& mask, double scale, int64_t ways,
+                    int64_t threads) {
   const int64_t B = x.size(0), n = x.size(1), H = x.size(2), rows = B * n, G = heads / kv;
   Forward f{B, n, H, D, heads, kv, intermediate, length, ways, scale, attended, nullptr};
   const auto options = x.options();
-  f.x = x.reshape({rows, H}).clone(at::MemoryFormat::Contiguous);
-  f.h = at::empty({rows, H}, options);
+  for (int64_t thread = 0; thread < threads; ++thread) {
+    f.xs.push_back(x.reshape({rows, H}).clone(at::MemoryFormat::Contiguous));
+    f.hs.push_back(at::empty({rows, H}, options));
+  }
   f.qkv = at::empty({rows, (heads + 2 * kv) * D}, options);
   f.query = at::empty({B, kv, G * n, D}, options);
   f.attended_heads = at::empty_like(f.query);
@@ -235,6 +285,36 @@ Forward forward_for(const at::Tensor& x, int64_t D, int64_t heads, int64_t kv, i
     if (f.mask.stride(3) != 1) f.mask = f.mask.contiguous();
   }
   return f;
+}
+
+// Each row of `state` [rows, H] into columns [part H, (part + 1) H) of `features` [rows, F].
+template <class T>
+void keep_state(const at::Tensor& state, int64_t part, at::Tensor& features) {
+  const int64_t H = state.size(1), F = features.size(1);
+  for (int64_t row = 0; row < state.size(0); ++row)
+    std::copy_n(state.data_ptr<T>() + row * H, H, features.data_ptr<T>() + row * F + part * H);
+}
+
+// The decoder layers and the final norm on every thread of a team, the states of `capture` kept by the first.
+template <class T>
+void layers_in_team(Forward& f, const std::vector<hf_eagle31_rows::Weights>& weights, at::TensorList norms,
+                    at::ArrayRef<double> eps, std::vector<LayerCache>& caches, const at::Tensor& cos,
+                    const at::Tensor& sin, at::IntArrayRef capture, at::Tensor& features) {
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  in_team(static_cast<int64_t>(f.xs.size()), [&](const hf_eagle31_rows::Team& team) {
+    auto keep = [&](int64_t index, const at::Tensor& state) {
+      for (size_t i = 0; i < capture.size(); ++i)
+        if (team.thread == 0 && capture[i] == index) keep_state<T>(state, static_cast<int64_t>(i), features);
+    };
+    for (int64_t index = 0; index < layers; ++index) {
+      keep(index, f.xs[team.thread]);
+      layer<T>(f, team, &weights[4 * index], &norms[2 * index], &eps[2 * index], caches[index], cos, sin);
+    }
+    if (team.thread == 0) {
+      norm_rows<T>(f.xs[0], norms[2 * layers], eps[2 * layers], f.hs[0]);
+      keep(layers, f.hs[0]);
+    }
+  });
 }
 
 // The decoder layers and final norm over a block of n tokens a row: x [B, n, H] (the embedding's), `products` four
@@ -270,50 +350,43 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
   // below autograd's view and in-place tracking: nothing here is differentiated, and tracking each of a forward's
   // small views and copies was a noticeable share of its time between the products
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, length + n, mask, scale, ways);
+  Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, length + n, mask, scale, ways,
+                          at::get_num_threads());
   // four a layer, looked up under one lock and checked once a forward (~0.1 ms of a SmolLM2 step: most of it cache
   // misses in the tensors, which the step before streamed its weights past)
   const std::vector<hf_eagle31_rows::Weights> weights = hf_eagle31_rows::held_weights(products);
-  for (int64_t index = 0; index < layers; ++index)
+  std::vector<LayerCache> caches;
+  for (int64_t index = 0; index < layers; ++index) {
     check_layer(&weights[4 * index], products.data() + 4 * index, H, H, D, heads, kv_heads, intermediate, dtype,
                 "hf_eagle31_rows::step");
+    caches.push_back(cache_for(room, index, f, dtype));
+  }
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor features = at::empty({B * n, static_cast<int64_t>(capture.size()) * H}, x.options());
-  auto keep = [&](int64_t index, const at::Tensor& state) {
-    for (size_t i = 0; i < capture.size(); ++i)
-      if (capture[i] == index) features.narrow(1, static_cast<int64_t>(i) * H, H).copy_(state);
-  };
-  for (int64_t index = 0; index < layers; ++index) {
-    keep(index, f.x);
-    auto cache = cache_for(room, index, f, dtype);
-    if (dtype == at::kFloat)
-      layer<float>(f, &weights[4 * index], &norms[2 * index], &eps[2 * index], cache, c, s);
-    else
-      layer<at::BFloat16>(f, &weights[4 * index], &norms[2 * index], &eps[2 * index], cache, c, s);
-  }
-  if (dtype == at::kFloat) norm_rows<float>(f.x, norms[2 * layers], eps[2 * layers], f.h);
-  else norm_rows<at::BFloat16>(f.x, norms[2 * layers], eps[2 * layers], f.h);
-  keep(layers, f.h);
-  return {f.h.view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H})};
+  if (dtype == at::kFloat) layers_in_team<float>(f, weights, norms, eps, caches, c, s, capture, features);
+  else layers_in_team<at::BFloat16>(f, weights, norms, eps, caches, c, s, capture, features);
+  return {f.hs[0].view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H})};
 }
 
-// The drafter's one layer and final norm over its residual stream `f.x`, its input being the embedding's norm and
-// the stream's side by side; `norms` and `eps`: hidden_norm, input_layernorm, post_attention_layernorm, norm.
+// The drafter's one layer and final norm over this thread's residual stream, its input (`input` [B n, 2 H], this
+// thread's) being the embedding's norm and the stream's side by side; `norms` and `eps`: hidden_norm,
+// input_layernorm, post_attention_layernorm, norm.
 template <class T>
-void draft_layer(Forward& f, const at::Tensor& embeds, const hf_eagle31_rows::Weights* products,
-                 const at::Tensor* norms, const double* eps, bool norm_before_residual,
-                 std::pair<at::Tensor, at::Tensor>& cache, const at::Tensor& cos, const at::Tensor& sin) {
+void draft_layer(Forward& f, const hf_eagle31_rows::Team& team, const at::Tensor& embeds,
+                 const hf_eagle31_rows::Weights* products, const at::Tensor* norms, const double* eps,
+                 bool norm_before_residual, LayerCache& cache, const at::Tensor& cos, const at::Tensor& sin,
+                 at::Tensor& input) {
   const int64_t H = f.H;
-  at::Tensor input = at::empty({f.B * f.n, 2 * H}, f.x.options());
+  T* x = f.xs[team.thread].data_ptr<T>();
   for (int64_t row = 0; row < f.B * f.n; ++row) {
     T* both = input.data_ptr<T>() + row * 2 * H;
     rms_norm<T>(embeds.data_ptr<T>() + row * H, norms[1].data_ptr<T>(), H, static_cast<float>(eps[1]), both);
-    rms_norm<T>(f.x.data_ptr<T>() + row * H, norms[0].data_ptr<T>(), H, static_cast<float>(eps[0]), both + H);
-    if (norm_before_residual) std::copy_n(both + H, H, f.x.data_ptr<T>() + row * H);
+    rms_norm<T>(x + row * H, norms[0].data_ptr<T>(), H, static_cast<float>(eps[0]), both + H);
+    if (norm_before_residual) std::copy_n(both + H, H, x + row * H);
   }
-  attention<T>(f, input, products, cache, cos, sin);
-  mlp<T>(f, products + 2, norms[2], eps[2]);
-  norm_rows<T>(f.x, norms[3], eps[3], f.h);
+  attention<T>(f, team, input, products, cache, cos, sin);
+  mlp<T>(f, team, products + 2, norms[2], eps[2]);
+  norm_rows<T>(f.xs[team.thread], norms[3], eps[3], f.hs[team.thread]);
 }
 
 // The drafter's residual stream [B n, H]: the target features' norms (`fc_norms`) and fc where `project`, else the
@@ -390,19 +463,26 @@ std::tuple<at::Tensor, at::Tensor> draft_step(const at::Tensor& embeds, const at
   const at::Tensor additive = at::zeros({B, 1, 1, n, slots}, embeds.options())
                                   .masked_fill_(mask.logical_not().view({B, 1, 1, n, slots}), -INFINITY)
                                   .expand({B, 1, G, n, slots}).reshape({B, 1, G * n, slots});
-  Forward f = forward_for(x.view({B, n, H}), D, heads, kv_heads, intermediate, 0, slots, additive, scale, ways);
+  const int64_t threads = at::get_num_threads();
+  Forward f = forward_for(x.view({B, n, H}), D, heads, kv_heads, intermediate, 0, slots, additive, scale, ways,
+                          threads);
   f.columns = where.data_ptr<int64_t>();
-  std::pair<at::Tensor, at::Tensor> cache{keys, values};
+  LayerCache cache{keys, values, keys.narrow(2, 0, slots), values.narrow(2, 0, slots)};
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
-  if (dtype == at::kFloat)
-    draft_layer<float>(f, embeds, &weights[1], &norms[fc_count], &eps[fc_count], norm_before_residual, cache, c, s);
-  else
-    draft_layer<at::BFloat16>(f, embeds, &weights[1], &norms[fc_count], &eps[fc_count], norm_before_residual, cache,
-                              c, s);
-  const at::Tensor chosen = f.h.index_select(0, logit_rows);
+  std::vector<at::Tensor> inputs;
+  for (int64_t thread = 0; thread < threads; ++thread) inputs.push_back(at::empty({B * n, 2 * H}, embeds.options()));
+  in_team(threads, [&](const hf_eagle31_rows::Team& team) {
+    if (dtype == at::kFloat)
+      draft_layer<float>(f, team, embeds, &weights[1], &norms[fc_count], &eps[fc_count], norm_before_residual, cache,
+                         c, s, inputs[team.thread]);
+    else
+      draft_layer<at::BFloat16>(f, team, embeds, &weights[1], &norms[fc_count], &eps[fc_count], norm_before_residual,
+                                cache, c, s, inputs[team.thread]);
+  });
+  const at::Tensor chosen = f.hs[0].index_select(0, logit_rows);
   at::Tensor logits = at::empty({chosen.size(0), vocabulary}, chosen.options());
   hf_eagle31_rows::product_into(chosen, weights[5], logits, ways);
-  return {logits, (norm_output ? f.h : f.x).view({B, n, H})};
+  return {logits, (norm_output ? f.hs[0] : f.xs[0]).view({B, n, H})};
 }
 
 }  // namespace
