@@ -93,13 +93,9 @@ void product_share(const at::Tensor& x, const Weights& weights, at::Tensor& out,
 // (rows_attention.cpp's `hold_room`), held strongly while a forward runs.
 std::pair<at::Tensor, at::Tensor> room_layer(int64_t room, int64_t layer);
 
-// q [B, G, R, D] (the last dimension contiguous) over keys and values [B, G, L, D] (the last dimension contiguous),
-// with the additive mask m [B, G, R, L] (its last dimension contiguous; or undefined), into out [B, G, R, D]
-// (contiguous): `rows_attention`'s sums, checked by its caller.
-void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
-                 at::Tensor& out);
-
-// `attend_into`'s rows [begin, end) of the B G R rows of q (row b G R + g R + r), on this thread.
+// Rows [begin, end) of q [B, G, R, D] (row b G R + g R + r; the last dimension contiguous) over keys and values
+// [B, G, L, D] (the last dimension contiguous), with the additive mask m [B, G, R, L] (its last dimension contiguous;
+// or undefined), into out [B, G, R, D] (contiguous), on this thread: `rows_attention`'s sums, checked by its caller.
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
                  at::Tensor& out, int64_t begin, int64_t end);
 

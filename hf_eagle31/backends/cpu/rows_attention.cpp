@@ -222,12 +222,6 @@ std::pair<at::Tensor, at::Tensor> room_layer(int64_t room, int64_t layer) {
   return buffers;
 }
 
-void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
-                 at::Tensor& out) {
-  if (q.scalar_type() == at::kFloat) attend_all<float>(q, k, v, m, static_cast<float>(scale), out);
-  else attend_all<at::BFloat16>(q, k, v, m, static_cast<float>(scale), out);
-}
-
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
                  at::Tensor& out, int64_t begin, int64_t end) {
   if (q.scalar_type() == at::kFloat) attend_range<float>(q, k, v, m, static_cast<float>(scale), out, begin, end);
