@@ -72,11 +72,11 @@ def rows_kernel() -> bool:
 def warn_if_threads_sleep() -> None:
     """Warn where the environment makes OpenMP's worker threads sleep whenever they wait.
 
-    Why: a decoding step on the kernel waits for its threads about 180 times (SmolLM2's: a barrier after each
-    product, attention and gate of its forward's one parallel region, rows_step.cpp; a region a product elsewhere),
-    microseconds apart (a few to some tens); a worker woken each time adds to every one (`OMP_WAIT_POLICY=PASSIVE`: a
-    SmolLM2 bf16 step's forward 1.3x slower, 2.4-2.9x with a region a product). OpenMP reads the setting when the
-    process starts, so only the user can change it."""
+    Why: a decoding step on the kernel waits for its threads about 210 times (SmolLM2's: a barrier after each
+    product, new keys, attention and gate of its forward's one parallel region, rows_step.cpp; a region a product
+    elsewhere), microseconds apart (a few to some tens); a worker woken each time adds to every one
+    (`OMP_WAIT_POLICY=PASSIVE`: a SmolLM2 bf16 step's forward 1.3x slower, 2.4-2.9x with a region a product).
+    OpenMP reads the setting when the process starts, so only the user can change it."""
     if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
         warnings.warn("OMP_WAIT_POLICY=PASSIVE makes OpenMP's worker threads sleep whenever they wait, and a decoding "
                       "step on the CPU backend waits for them after each product: fast_decoding and EAGLE run slower. "

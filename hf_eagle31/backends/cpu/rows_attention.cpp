@@ -6,8 +6,9 @@
 // Why: torch's SDPA on a CPU (its flash kernel) blocks queries by 32 and keys by 512, so a step's few rows over a
 // few hundred keys take it several times their arithmetic (docs/benchmarks.md: a fifth of a compiled SmolLM2 step's
 // time between the products went to it). Each row here is one task: its scores against every key of its head (kept
-// in a buffer), their softmax, the values weighted by them; a row's keys and values are read from the cache as they
-// lie (strided views of its buffers). An additive mask is added to the scores before the softmax, as SDPA adds it.
+// in a buffer) and their softmax, then the values weighted by them, in one pass for a few rows of a head (`weigh`);
+// keys and values are read from the cache as they lie (strided views of its buffers). An additive mask is added to
+// the scores before the softmax, as SDPA adds it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -97,15 +98,13 @@ float score(const __m512* qv, int64_t vectors, const T* k, int64_t ks, const T* 
   return top;
 }
 
-// One query row `q` [D] over keys and values [L, D] (rows `ks`, `vs` apart), `mask` [L] (or none): `out` [D].
+// One query row `q` [D]'s softmax weights over keys [L, D] (rows `ks` apart), `mask` [L] (or none): s[j] the
+// exponential of key j's score less the highest, s[L] a zero (an odd count's last pair in `weigh`); returns their sum.
 template <class T>
-void attend(const T* q, const T* k, int64_t ks, const T* v, int64_t vs, const T* mask, int64_t L, int64_t D,
-            float scale, T* out, std::vector<float>& scores) {
+float softmax_weights(const T* q, const T* k, int64_t ks, const T* mask, int64_t L, int64_t D, float scale, float* s) {
   const int64_t vectors = D / 16;
   __m512 qv[MAX_DIM / 16];
   for (int64_t d = 0; d < vectors; ++d) qv[d] = _mm512_mul_ps(load16(q + 16 * d), _mm512_set1_ps(scale));
-  scores.resize(L + 16);
-  float* s = scores.data();
   const float top = score(qv, vectors, k, ks, mask, L, s);
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; j += 16) {
@@ -114,38 +113,104 @@ void attend(const T* q, const T* k, int64_t ks, const T* v, int64_t vs, const T*
     _mm512_storeu_ps(s + j, e);
     total = _mm512_add_ps(total, e);
   }
-  __m512 acc[2][MAX_DIM / 16];  // even and odd keys' sums: two chains in flight
-  for (int64_t d = 0; d < vectors; ++d) acc[0][d] = acc[1][d] = _mm512_setzero_ps();
-  s[L] = 0.f;  // an odd count's last pair weighs a zero (its "value" row is the last one again)
-  for (int64_t j = 0; j < L; j += 2) {
-    const __m512 even = _mm512_set1_ps(s[j]), odd = _mm512_set1_ps(s[j + 1]);
-    const T* next = v + std::min(j + 1, L - 1) * vs;
-    for (int64_t d = 0; d < vectors; ++d) {
-      acc[0][d] = _mm512_fmadd_ps(even, load16(v + j * vs + 16 * d), acc[0][d]);
-      acc[1][d] = _mm512_fmadd_ps(odd, load16(next + 16 * d), acc[1][d]);
-    }
-  }
-  const __m512 sum = _mm512_set1_ps(sum16(total));
-  alignas(64) float row[MAX_DIM];
-  for (int64_t d = 0; d < vectors; ++d)
-    _mm512_store_ps(row + 16 * d, _mm512_div_ps(_mm512_add_ps(acc[0][d], acc[1][d]), sum));
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
+  s[L] = 0.f;
+  return sum16(total);
 }
 
-// Rows [begin, end) of `q` [B, G, R, D] (row b G R + g R + r) over their groups' keys, into `out` (contiguous).
+// A row's weighted values, its even and odd keys' sums [D / 16 vectors], over its weights' `sum`, into `out` [D].
+template <class T>
+void store_row(const __m512* even, const __m512* odd, int64_t vectors, float sum, T* out) {
+  alignas(64) float row[MAX_DIM];
+  const __m512 total = _mm512_set1_ps(sum);
+  for (int64_t d = 0; d < vectors; ++d)
+    _mm512_store_ps(row + 16 * d, _mm512_div_ps(_mm512_add_ps(even[d], odd[d]), total));
+  for (int64_t d = 0; d < 16 * vectors; ++d) out[d] = static_cast<T>(row[d]);
+}
+
+// ROWS rows' weights s[r] (over their `sums`) times the values [L, D = 16 VEC] (rows `vs` apart), into out[r]: each
+// value vector loaded once for all the rows, their sums in registers, even and odd keys in two chains a row.
+// Why: a key/value head's rows (its query heads, and a block's tokens) weigh the same values; a row at a time
+// loaded and converted every value once a row, and a head size known only at run time kept the sums in memory.
+template <class T, int VEC, int ROWS>
+void weigh(const float* const* s, const float* sums, const T* v, int64_t vs, int64_t L, T* const* out) {
+  __m512 even[ROWS][VEC], odd[ROWS][VEC];
+  for (int r = 0; r < ROWS; ++r)
+    for (int d = 0; d < VEC; ++d) even[r][d] = odd[r][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; j += 2) {
+    const T* next = v + std::min(j + 1, L - 1) * vs;  // an odd count's last pair weighs a zero: its last row again
+#pragma GCC unroll 8
+    for (int d = 0; d < VEC; ++d) {
+      const __m512 ve = load16(v + j * vs + 16 * d), vo = load16(next + 16 * d);
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        even[r][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), ve, even[r][d]);
+        odd[r][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j + 1]), vo, odd[r][d]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) store_row(even[r], odd[r], VEC, sums[r], out[r]);
+}
+
+// `weigh` of one row for any head size up to MAX_DIM: its sums in memory.
+template <class T>
+void weigh_any(const float* s, float sum, const T* v, int64_t vs, int64_t L, int64_t D, T* out) {
+  const int64_t vectors = D / 16;
+  __m512 even[MAX_DIM / 16], odd[MAX_DIM / 16];
+  for (int64_t d = 0; d < vectors; ++d) even[d] = odd[d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; j += 2) {
+    const __m512 e = _mm512_set1_ps(s[j]), o = _mm512_set1_ps(s[j + 1]);
+    const T* next = v + std::min(j + 1, L - 1) * vs;
+    for (int64_t d = 0; d < vectors; ++d) {
+      even[d] = _mm512_fmadd_ps(e, load16(v + j * vs + 16 * d), even[d]);
+      odd[d] = _mm512_fmadd_ps(o, load16(next + 16 * d), odd[d]);
+    }
+  }
+  store_row(even, odd, vectors, sum, out);
+}
+
+// How many of a key/value head's rows one pass over its values serves: as many as keep their sums in registers.
+int64_t rows_at_once(int64_t D) { return D == 32 ? 4 : D == 64 ? 3 : 1; }
+
+// `count` rows (at most `rows_at_once`) of one key/value head: weights s[r] over sums[r] times its values, into out[r].
+template <class T>
+void weigh_rows(const float* const* s, const float* sums, int64_t count, const T* v, int64_t vs, int64_t L, int64_t D,
+                T* const* out) {
+  if (D == 32 && count == 4) return weigh<T, 2, 4>(s, sums, v, vs, L, out);
+  if (D == 64 && count == 3) return weigh<T, 4, 3>(s, sums, v, vs, L, out);
+  if (D == 64 && count == 2) return weigh<T, 4, 2>(s, sums, v, vs, L, out);
+  for (int64_t r = 0; r < count; ++r) {
+    if (D == 64) weigh<T, 4, 1>(s + r, sums + r, v, vs, L, out + r);
+    else if (D == 128) weigh<T, 8, 1>(s + r, sums + r, v, vs, L, out + r);
+    else weigh_any(s[r], sums[r], v, vs, L, D, out[r]);
+  }
+}
+
+// Rows [begin, end) of `q` [B, G, R, D] (row b G R + g R + r) over their groups' keys, into `out` (contiguous): each
+// row's own softmax weights, then a group's rows `rows_at_once` at a time through one pass over its values.
 template <class T>
 void attend_range(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, float scale,
                   at::Tensor& out, int64_t begin, int64_t end) {
-  const int64_t G = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+  const int64_t G = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2), most = rows_at_once(D);
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   const T* mp = m.defined() ? m.data_ptr<T>() : nullptr;
-  T* op = out.data_ptr<T>();
-  std::vector<float> scores;
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t b = i / (G * R), g = i / R % G, r = i % R;
-    attend(qp + b * q.stride(0) + g * q.stride(1) + r * q.stride(2), kp + b * k.stride(0) + g * k.stride(1),
-           k.stride(2), vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
-           mp ? mp + b * m.stride(0) + g * m.stride(1) + r * m.stride(2) : nullptr, L, D, scale, op + i * D, scores);
+  std::vector<float> scores(most * (L + 16));
+  float* s[4];
+  float sums[4];
+  T* outs[4];
+  for (int64_t i = begin; i < end;) {
+    const int64_t b = i / (G * R), g = i / R % G, first = i % R;
+    const int64_t count = std::min({most, end - i, R - first});  // this group's next rows
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t row = first + r;
+      s[r] = scores.data() + r * (L + 16);
+      outs[r] = out.data_ptr<T>() + (i + r) * D;
+      sums[r] = softmax_weights(qp + b * q.stride(0) + g * q.stride(1) + row * q.stride(2),
+                                kp + b * k.stride(0) + g * k.stride(1), k.stride(2),
+                                mp ? mp + b * m.stride(0) + g * m.stride(1) + row * m.stride(2) : nullptr, L, D, scale,
+                                s[r]);
+    }
+    weigh_rows(s, sums, count, vp + b * v.stride(0) + g * v.stride(1), v.stride(2), L, D, outs);
+    i += count;
   }
 }
 

@@ -129,10 +129,11 @@ inline void all_here() {
 // `body(team)` on each thread of one parallel region of torch's thread count (`Team`; one thread inside another
 // region). Why one region a forward: a region per product and per attention started and joined the threads 150
 // times a SmolLM2 step while the one thread that went on computed the few hundred numbers between them; here each
-// thread computes those itself (`Forward::xs`, the same numbers in each) and the products, the attention and the
-// gate are split among them, a barrier after each. Measured on a 2-core AMD EPYC, SmolLM2's one-token step alone,
-// in one process against the region-per-product forward: bf16 1.07-1.09x as fast (median of 39-150 rounds in each of
-// five runs) where the host read 45-70 GB/s, 1.01x at 33-36; fp32 1.05x and 1.00x; the same outputs, bit for bit.
+// thread computes those itself (`Forward::xs`, the same numbers in each) and the products, the new keys, the
+// attention and the gate are split among them, a barrier after each. Measured on a 2-core AMD EPYC, SmolLM2's
+// one-token step alone, in one process against the region-per-product forward: bf16 1.07-1.09x as fast (median of
+// 39-150 rounds in each of five runs) where the host read 45-70 GB/s, 1.01x at 33-36; fp32 1.05x and 1.00x; the
+// same outputs, bit for bit.
 template <class F>
 void in_team(int64_t threads, F body) {
 #pragma omp parallel num_threads(static_cast<int>(threads))
@@ -164,22 +165,21 @@ void heads_of(Forward& f, const at::Tensor& cos, const at::Tensor& sin, LayerCac
   }
 }
 
-// The attended heads [B, heads, n, D] of (row, key/value head) pairs [first, last) side by side for each token:
-// [B n, heads D].
+// Rows [begin, end) of the attended heads [B, kv, G n, D] (row (b kv + g) G n + h n + t: token t of query head
+// g G + h) side by side for each token: [B n, heads D].
 template <class T>
-void merge_heads(const Forward& f, int64_t first, int64_t last) {
-  const int64_t G = f.heads / f.kv;
-  for (int64_t pair = first; pair < last; ++pair) {
-    const int64_t b = pair / f.kv, g = pair % f.kv;
-    for (int64_t head = g * G; head < (g + 1) * G; ++head)
-      for (int64_t t = 0; t < f.n; ++t)
-        std::copy_n(f.attended_heads.data_ptr<T>() + ((b * f.heads + head) * f.n + t) * f.D, f.D,
-                    f.merged.data_ptr<T>() + ((b * f.n + t) * f.heads + head) * f.D);
+void merge_rows(const Forward& f, int64_t begin, int64_t end) {
+  const int64_t G = f.heads / f.kv, rows = G * f.n;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t pair = i / rows, b = pair / f.kv, head = pair % f.kv * G + i % rows / f.n, t = i % f.n;
+    std::copy_n(f.attended_heads.data_ptr<T>() + i * f.D, f.D,
+                f.merged.data_ptr<T>() + ((b * f.n + t) * f.heads + head) * f.D);
   }
 }
 
 // A layer's attention added to this thread's residual stream: `input` (its norm's output) through `products`
-// q/k/v and o, the (row, key/value head) pairs split among the team.
+// q/k/v and o; the new keys and values turned by (row, key/value head) pairs, the query rows attended, split among
+// the team.
 template <class T>
 void attention(Forward& f, const hf_eagle31_rows::Team& team, const at::Tensor& input,
                const hf_eagle31_rows::Weights* products, LayerCache& cache, const at::Tensor& cos,
@@ -188,10 +188,13 @@ void attention(Forward& f, const hf_eagle31_rows::Team& team, const at::Tensor& 
   all_here();
   const auto [first, last] = team.share(f.B * f.kv, 1);
   heads_of<T>(f, cos, sin, cache, first, last);
-  const int64_t rows = f.query.size(2);  // a pair's G n query rows
+  all_here();  // every new key and value written, every query turned: a thread's rows may be of another's heads
+  // the query rows split evenly, not the pairs: SmolLM2's 3 key/value heads on 2 threads kept one thread waiting for
+  // the other's second head (1.3-1.8 ms of a bf16 step at 1,545 cached tokens)
+  const auto [begin, end] = team.share(f.query.size(0) * f.query.size(1) * f.query.size(2), 1);
   hf_eagle31_rows::attend_rows(f.query, cache.attended_keys, cache.attended_values, f.mask, f.scale,
-                               f.attended_heads, first * rows, last * rows);
-  if (f.n > 1) merge_heads<T>(f, first, last);
+                               f.attended_heads, begin, end);
+  if (f.n > 1) merge_rows<T>(f, begin, end);
   all_here();
   hf_eagle31_rows::product_share(f.merged, products[1], f.out, f.ways, team);
   all_here();
