@@ -129,8 +129,9 @@ void store_row(const __m512* even, const __m512* odd, int64_t vectors, float sum
 
 // ROWS rows' weights s[r] (over their `sums`) times the values [L, D = 16 VEC] (rows `vs` apart), into out[r]: each
 // value vector loaded once for all the rows, their sums in registers, even and odd keys in two chains a row.
-// Why: a key/value head's rows (its query heads, and a block's tokens) weigh the same values; a row at a time
-// loaded and converted every value once a row, and a head size known only at run time kept the sums in memory.
+// Why: a key/value head's rows (its query heads, and a block's tokens) weigh the same values, which a row at a time
+// loaded and converted once a row: SmolLM2's step at 1,545 cached tokens 1.03x as fast in bf16, at 245 1.00x; fp32
+// attention alone 1.05-1.08x over cached keys (AMD EPYC).
 template <class T, int VEC, int ROWS>
 void weigh(const float* const* s, const float* sums, const T* v, int64_t vs, int64_t L, T* const* out) {
   __m512 even[ROWS][VEC], odd[ROWS][VEC];
