@@ -109,12 +109,12 @@ def test_a_product_held_under_a_key_is_the_product_of_the_weights_held_there():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 read by shifts: any AVX-512 CPU
 @pytest.mark.parametrize("keys", [1, 7, 16, 300, 1027])  # one key, a partial vector, whole vectors, longer caches
-@pytest.mark.parametrize("head_dim", [64, 128, 48, 32])  # 32 and 64: a group's rows weigh its values together
+@pytest.mark.parametrize("head_dim", [64, 128, 48, 32])  # 64: a group's rows weigh its values together
 def test_the_kernels_attention_computes_torchs(keys, head_dim, dtype):
     """A few query rows over a cache's keys and values as the lean step hands them (views of buffers with room
     behind them), with an additive mask that hides some keys (a pad's, as `additive_mask` writes it) or none."""
     torch.manual_seed(keys)
-    batch, groups, rows_, room = 2, 3, 5, 5  # 5 rows a group: 3 and 2 (head size 64), 4 and 1 (32) weighed at once
+    batch, groups, rows_, room = 2, 3, 5, 5  # 5 rows a group: 3, then 2, weighed at once (head size 64)
     query = torch.randn(batch, groups, rows_, head_dim).to(dtype)
     key, value = (torch.randn(batch, groups, keys + room, head_dim).to(dtype)[:, :, :keys] for _ in range(2))
     mask = torch.zeros(batch, 1, rows_, keys, dtype=dtype)

@@ -169,21 +169,17 @@ void weigh_any(const float* s, float sum, const T* v, int64_t vs, int64_t L, int
   store_row(even, odd, vectors, sum, out);
 }
 
-// How many of a key/value head's rows one pass over its values serves: as many as keep their sums in registers.
-int64_t rows_at_once(int64_t D) { return D == 32 ? 4 : D == 64 ? 3 : 1; }
+// How many of a key/value head's rows one pass over its values serves: three of head size 64 (the size measured),
+// their sums in registers; one of any other.
+int64_t rows_at_once(int64_t D) { return D == 64 ? 3 : 1; }
 
 // `count` rows (at most `rows_at_once`) of one key/value head: weights s[r] over sums[r] times its values, into out[r].
 template <class T>
 void weigh_rows(const float* const* s, const float* sums, int64_t count, const T* v, int64_t vs, int64_t L, int64_t D,
                 T* const* out) {
-  if (D == 32 && count == 4) return weigh<T, 2, 4>(s, sums, v, vs, L, out);
   if (D == 64 && count == 3) return weigh<T, 4, 3>(s, sums, v, vs, L, out);
   if (D == 64 && count == 2) return weigh<T, 4, 2>(s, sums, v, vs, L, out);
-  for (int64_t r = 0; r < count; ++r) {
-    if (D == 64) weigh<T, 4, 1>(s + r, sums + r, v, vs, L, out + r);
-    else if (D == 128) weigh<T, 8, 1>(s + r, sums + r, v, vs, L, out + r);
-    else weigh_any(s[r], sums[r], v, vs, L, D, out[r]);
-  }
+  for (int64_t r = 0; r < count; ++r) weigh_any(s[r], sums[r], v, vs, L, D, out[r]);
 }
 
 // Rows [begin, end) of `q` [B, G, R, D] (row b G R + g R + r) over their groups' keys, into `out` (contiguous): each
