@@ -177,10 +177,11 @@ def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_
     assert whole == (15 if library else 0)
 
 
-def lean_forward(target, whole: bool, block: bool):
+def lean_forward(target, whole: bool, block: bool, head: bool = True):
     """A verify forward of a left-padded batch of two after its prompts, a tree block (`TREE`) or one token a row,
-    through the lean forward with its layers computed whole by the rows library (`whole`) or on torch's ops; its
-    logits, features and the cache it leaves."""
+    through the lean forward with its layers computed whole by the rows library (`whole`) or on torch's ops, the
+    library multiplying by the LM head where the room says so (`head`) or the head's own call; its logits, features
+    and the cache it leaves."""
     prompts = PROMPTS[:2, :12]
     attention_mask = torch.ones_like(prompts)
     attention_mask[1, :3] = 0
@@ -194,6 +195,8 @@ def lean_forward(target, whole: bool, block: bool):
             room = llama_verify.room_for(target, products)
             if not whole:
                 room.norms = None
+            if not head:
+                room.head = None
             logits, features = llama_verify.llama_verify_forward(target, cache, room, plan, tokens, positions,
                                                                  LAYER_IDS)
     return logits, features, [(layer.keys, layer.values) for layer in cache.layers]
@@ -251,6 +254,34 @@ def test_a_forward_computed_whole_gives_the_same_bits_on_any_number_of_threads(m
     (logits, features, cache), (split_logits, split_features, split_cache) = outputs
     assert torch.equal(split_logits, logits) and torch.equal(split_features, features)
     assert all(torch.equal(a, b) for layer, split in zip(cache, split_cache) for a, b in zip(layer, split))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_forward_computed_whole_multiplies_by_the_lm_head_as_its_own_call_would(monkeypatch, dtype, block, tied):
+    """The library multiplies a whole forward's states by the LM head too (`CacheRoom.head`): the logits of the
+    head's own call, bit for bit. A head whose call would do more (a hook) is called: the hook sees the forward."""
+    target = make_target("llama", seed=11, dtype=dtype)
+    if tied:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    kernel_routes(monkeypatch, dtype)
+    if not rows.attends(target.model.layers[0].self_attn.head_dim):
+        pytest.skip("the rows library does not attend over these heads here")
+    heads = []
+    room_for = llama_verify.room_for
+    monkeypatch.setattr(llama_verify, "room_for", lambda *args: heads.append(room_for(*args).head) or room_for(*args))
+    called, in_library = (lean_forward(target, True, block, head) for head in (False, True))
+    assert heads[1] is target.lm_head
+    assert all(torch.equal(a, b) for a, b in zip(called[:2], in_library[:2]))
+    seen = []
+    hook = target.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        hooked = lean_forward(target, True, block)
+    finally:
+        hook.remove()
+    assert heads[2] is None and len(seen) == 2 and seen[-1] == hooked[0].shape  # the prefill's, then the block's
+    assert torch.equal(hooked[0], called[0])
 
 
 def test_a_step_is_computed_whole_only_for_mlps_gated_by_silu():

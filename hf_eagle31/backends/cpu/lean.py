@@ -155,11 +155,13 @@ class CacheRoom:
 
     MIN_ROOM = 64
 
-    def __init__(self, products: list[int], compiled: bool = False, norms: list[nn.Module] | None = None):
+    def __init__(self, products: list[int], compiled: bool = False, norms: list[nn.Module] | None = None,
+                 head: nn.Linear | None = None):
         self.products, self.compiled = products, compiled
         # where the rows library computes a forward whole (`_whole_step`): every norm's weight and epsilon
         self.norms = None if norms is None else ([norm.weight for norm in norms],
                                                  [norm.variance_epsilon for norm in norms])
+        self.head = head  # the LM head the library multiplies by at the end of a whole forward (`room_for`)
         self.weights_held = False  # the rows library holds the weights for this call (`hold_weights`)
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
         self.committed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what `commit` gave the layers
@@ -200,7 +202,7 @@ class CacheRoom:
         less (its ~210 weights of ~340 inputs; docs/benchmarks.md). The library holds the weights weakly: a model
         deleted is freed."""
         if not self.weights_held:
-            members = _product_members(model)
+            members = _product_members(model) + ([(self.head,)] if self.head is not None else [])
             biases = [stacked_bias(tuple(linear.bias for linear in linears)) for linears in members]
             torch.ops.hf_eagle31_rows.hold([product_key(linears[0]) for linears in members],
                                            [len(linears) for linears in members],
@@ -237,10 +239,16 @@ def _with_room(entries: torch.Tensor, room: int) -> torch.Tensor:
 
 def room_for(target: PreTrainedModel, products: Products, compiled: bool = False) -> CacheRoom | None:
     """A fresh room where the target's verify forwards can take the lean forward on `products` (`fits`), None where
-    they cannot."""
+    they cannot.
+
+    Where the library computes the forwards whole, it also multiplies by the LM head when the head's own call would
+    only multiply (a quiet layer with a product: `Products.of`): the head's module call, under `ProductsMode`, cost
+    ~0.25 ms beside its product, timed alone with the caches cold as after a step (docs/benchmarks.md)."""
     if not fits(target, products):
         return None
-    return CacheRoom(product_keys(target.model), compiled, _norms(target.model))
+    norms = _norms(target.model)
+    head = target.lm_head if norms is not None and products.of(target.lm_head) is not None else None
+    return CacheRoom(product_keys(target.model), compiled, norms, head)
 
 
 def _norms(model: nn.Module) -> list[nn.Module] | None:
@@ -358,17 +366,19 @@ def _ids_and_arguments(guards: list) -> list[bool]:
 
 
 def _whole_step(model: nn.Module, room: CacheRoom, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int,
-                mask: torch.Tensor, target_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                mask: torch.Tensor, target_layer_ids: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`_decoder`'s result, computed whole by the rows library (rows_step.cpp) on the weights and the cache room it
-    holds: one call a forward instead of about 30 small operations a layer between the products."""
+    holds: one call a forward instead of about 30 small operations a layer between the products; and the room's
+    `head`'s float logits `[B, n, V]` (None without one)."""
     config, attention = model.config, model.layers[0].self_attn
     room.hold_weights(model)
     weights, eps = room.norms
-    x, features = torch.ops.hf_eagle31_rows.step(
+    x, features, logits = torch.ops.hf_eagle31_rows.step(
         x, room.products, weights, eps, cos, sin, room.key, length, mask, attention.scaling,
         config.num_attention_heads, config.num_key_value_heads, model.layers[0].mlp.intermediate_size,
-        target_layer_ids, routes.ways(x.dtype))
-    return x, features if target_layer_ids else None
+        target_layer_ids, routes.ways(x.dtype), -1 if room.head is None else product_key(room.head))
+    return x, features if target_layer_ids else None, logits if room.head is not None else None
 
 
 def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom, plan, tokens: torch.Tensor,
@@ -398,8 +408,9 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
         length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
     inputs = (x, cos, sin, None if in_room else keys, None if in_room else values, length, mask,
               tuple(target_layer_ids))
+    logits = None  # the head's, where the library multiplied by it
     if whole:
-        x, features = _whole_step(model, room, x, cos, sin, length, mask, list(target_layer_ids))
+        x, features, logits = _whole_step(model, room, x, cos, sin, length, mask, list(target_layer_ids))
     elif compiled:
         if direct:
             room.hold_weights(model)
@@ -415,5 +426,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     else:
         x, features = _decoder(model, room.products, *inputs, room=room.key if in_room else None)
     room.commit(cache, keys, values)
+    if logits is not None:
+        return logits, features
     with products_mode(active_products()):  # the head as a module (its hooks see every forward), on its product
         return target.lm_head(x).float(), features

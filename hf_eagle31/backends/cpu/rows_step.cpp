@@ -298,11 +298,14 @@ void keep_state(const at::Tensor& state, int64_t part, at::Tensor& features) {
     std::copy_n(state.data_ptr<T>() + row * H, H, features.data_ptr<T>() + row * F + part * H);
 }
 
-// The decoder layers and the final norm on every thread of a team, the states of `capture` kept by the first.
+// The decoder layers and the final norm on every thread of a team, the states of `capture` kept by the first; with
+// a `head`, its product of the normed states into `logits`, split among the threads (each normed its own stream,
+// the same numbers: no barrier before it).
 template <class T>
 void layers_in_team(Forward& f, const std::vector<hf_eagle31_rows::Weights>& weights, at::TensorList norms,
                     at::ArrayRef<double> eps, std::vector<LayerCache>& caches, const at::Tensor& cos,
-                    const at::Tensor& sin, at::IntArrayRef capture, at::Tensor& features) {
+                    const at::Tensor& sin, at::IntArrayRef capture, at::Tensor& features,
+                    const hf_eagle31_rows::Weights* head, at::Tensor& logits) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   in_team(static_cast<int64_t>(f.xs.size()), [&](const hf_eagle31_rows::Team& team) {
     auto keep = [&](int64_t index, const at::Tensor& state) {
@@ -313,10 +316,9 @@ void layers_in_team(Forward& f, const std::vector<hf_eagle31_rows::Weights>& wei
       keep(index, f.xs[team.thread]);
       layer<T>(f, team, &weights[4 * index], &norms[2 * index], &eps[2 * index], caches[index], cos, sin);
     }
-    if (team.thread == 0) {
-      norm_rows<T>(f.xs[0], norms[2 * layers], eps[2 * layers], f.hs[0]);
-      keep(layers, f.hs[0]);
-    }
+    norm_rows<T>(f.xs[team.thread], norms[2 * layers], eps[2 * layers], f.hs[team.thread]);
+    keep(layers, f.hs[team.thread]);
+    if (head != nullptr) hf_eagle31_rows::product_share(f.hs[team.thread], *head, logits, f.ways, team);
   });
 }
 
@@ -325,12 +327,13 @@ void layers_in_team(Forward& f, const std::vector<hf_eagle31_rows::Weights>& wei
 // norm's, cos and sin [B, n, (1,) D], the cache in `room` (`hold_room`) with `length` entries cached, the additive
 // `mask` [B, 1, G n, length + n] (folded as `grouped_attention` folds it; or none); the last hidden states
 // [B, n, H] and the states before each layer of `capture` (the final norm's output for the layer count) side by
-// side [B, n, len(capture) H].
-std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef products, at::TensorList norms,
-                                        at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                                        int64_t room, int64_t length, const c10::optional<at::Tensor>& mask,
-                                        double scale, int64_t heads, int64_t kv_heads, int64_t intermediate,
-                                        at::IntArrayRef capture, int64_t ways) {
+// side [B, n, len(capture) H]; with a `head` key (not -1), the logits of the product held under it, in fp32
+// [B, n, V] (the head's output rounded to the input's dtype, then widened: `lm_head(x).float()`), else none [0].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> step(
+    const at::Tensor& x, at::IntArrayRef products, at::TensorList norms, at::ArrayRef<double> eps,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t room, int64_t length, const c10::optional<at::Tensor>& mask,
+    double scale, int64_t heads, int64_t kv_heads, int64_t intermediate, at::IntArrayRef capture, int64_t ways,
+    int64_t head) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "hf_eagle31_rows::step: fp32 or bf16 expected, got ",
               dtype);
@@ -364,11 +367,20 @@ std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x, at::IntArrayRef pro
                 "hf_eagle31_rows::step");
     caches.push_back(cache_for(room, index, f, dtype));
   }
+  hf_eagle31_rows::Weights head_weights;
+  int64_t vocabulary = 0;
+  if (head != -1) {
+    head_weights = std::move(hf_eagle31_rows::held_weights({head})[0]);
+    vocabulary = hf_eagle31_rows::features_of(head_weights.weights, H, dtype, "hf_eagle31_rows::step", head);
+  }
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor features = at::empty({B * n, static_cast<int64_t>(capture.size()) * H}, x.options());
-  if (dtype == at::kFloat) layers_in_team<float>(f, weights, norms, eps, caches, c, s, capture, features);
-  else layers_in_team<at::BFloat16>(f, weights, norms, eps, caches, c, s, capture, features);
-  return {f.hs[0].view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H})};
+  at::Tensor logits = at::empty({B * n, vocabulary}, x.options());
+  const hf_eagle31_rows::Weights* held = head != -1 ? &head_weights : nullptr;
+  if (dtype == at::kFloat) layers_in_team<float>(f, weights, norms, eps, caches, c, s, capture, features, held, logits);
+  else layers_in_team<at::BFloat16>(f, weights, norms, eps, caches, c, s, capture, features, held, logits);
+  return {f.hs[0].view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H}),
+          logits.to(at::kFloat).view({B, n, vocabulary})};
 }
 
 // The drafter's one layer and final norm over this thread's residual stream, its input (`input` [B n, 2 H], this
@@ -492,8 +504,8 @@ std::tuple<at::Tensor, at::Tensor> draft_step(const at::Tensor& embeds, const at
 
 TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
   m.def("step(Tensor x, int[] products, Tensor[] norms, float[] eps, Tensor cos, Tensor sin, int room, int length, "
-        "Tensor? mask, float scale, int heads, int kv_heads, int intermediate, int[] capture, int ways) -> "
-        "(Tensor, Tensor)");
+        "Tensor? mask, float scale, int heads, int kv_heads, int intermediate, int[] capture, int ways, int head) -> "
+        "(Tensor, Tensor, Tensor)");
   m.impl("step", c10::DispatchKey::CPU, TORCH_FN(step));
   m.def("draft_step(Tensor embeds, Tensor hidden, bool project, int[] products, Tensor[] norms, float[] eps, "
         "bool norm_before_residual, bool norm_output, Tensor cos, Tensor sin, Tensor keys, Tensor values, "
