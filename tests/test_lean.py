@@ -270,7 +270,13 @@ def test_a_forward_computed_whole_multiplies_by_the_lm_head_as_its_own_call_woul
         pytest.skip("the rows library does not attend over these heads here")
     heads = []
     room_for = llama_verify.room_for
-    monkeypatch.setattr(llama_verify, "room_for", lambda *args: heads.append(room_for(*args).head) or room_for(*args))
+
+    def recorded(*args):  # each room's head, the room itself handed on
+        room = room_for(*args)
+        heads.append(room.head)
+        return room
+
+    monkeypatch.setattr(llama_verify, "room_for", recorded)
     called, in_library = (lean_forward(target, True, block, head) for head in (False, True))
     assert heads[1] is target.lm_head
     assert all(torch.equal(a, b) for a, b in zip(called[:2], in_library[:2]))

@@ -171,7 +171,8 @@ void weigh_any(const float* s, float sum, const T* v, int64_t vs, int64_t L, int
 
 // How many of a key/value head's rows one pass over its values serves: three of head size 64 (the size measured),
 // their sums in registers; one of any other.
-int64_t rows_at_once(int64_t D) { return D == 64 ? 3 : 1; }
+constexpr int64_t MOST_AT_ONCE = 3;
+int64_t rows_at_once(int64_t D) { return D == 64 ? MOST_AT_ONCE : 1; }
 
 // `count` rows (at most `rows_at_once`) of one key/value head: weights s[r] over sums[r] times its values, into out[r].
 template <class T>
@@ -191,9 +192,9 @@ void attend_range(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   const T* mp = m.defined() ? m.data_ptr<T>() : nullptr;
   std::vector<float> scores(most * (L + 16));
-  float* s[4];
-  float sums[4];
-  T* outs[4];
+  float* s[MOST_AT_ONCE];
+  float sums[MOST_AT_ONCE];
+  T* outs[MOST_AT_ONCE];
   for (int64_t i = begin; i < end;) {
     const int64_t b = i / (G * R), g = i / R % G, first = i % R;
     const int64_t count = std::min({most, end - i, R - first});  // this group's next rows
