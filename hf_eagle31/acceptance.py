@@ -38,6 +38,8 @@ def accept_or_resample(scores: torch.Tensor, token: int, proposal: torch.Tensor)
 
 def children_by_token(tree: DraftTree) -> list[dict[int, int]]:
     children: list[dict[int, int]] = [{} for _ in range(len(tree))]
+    if len(children) == 1:  # a root alone (a plain step's): nothing to read from the tree
+        return children
     for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
         if parent >= 0:
             children[parent].setdefault(token, node)

@@ -320,22 +320,10 @@ class Eagle3DraftModel(PreTrainedModel):
     # --- one draft step ---------------------------------------------------------------------
 
     def rotary_at(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's cos and sin at `position_ids` in `like`'s dtype; on a CPU, rows of a table of them
-        that it computed once for positions 0..L-1 (grown by doubling): the same numbers, each being one position
-        times one frequency. Why: computing them at each draft level was a sixth of the small operations a level
-        runs outside its products, each a fixed cost on a CPU. Types that change with the length (dynamic,
-        longrope) compute them at each call, and so does CUDA (sizing the table would wait for the device)."""
-        rotary = self.rotary_emb
-        if like.device.type != "cpu" or "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
-            return rotary(like, position_ids)
-        key = (like.dtype, rotary.inv_freq.data_ptr())
-        cos, sin = self._rotary_tables.get(key, (like.new_empty(0, 0), None))
-        needed = int(position_ids.max()) + 1
-        if cos.shape[0] < needed:
-            length = max(needed, 2 * cos.shape[0], 256)
-            cos, sin = (part[0] for part in rotary(like, torch.arange(length, device=like.device)[None]))
-            self._rotary_tables[key] = cos, sin
-        return cos[position_ids], sin[position_ids]
+        """The rotary embedding's cos and sin at `position_ids` in `like`'s dtype (`rotary_rows`). Why: computing them
+        at each draft level was a sixth of the small operations a level runs outside its products, each a fixed cost
+        on a CPU."""
+        return rotary_rows(self.rotary_emb, like, position_ids, self._rotary_tables)
 
     def project_target_features(self, features: torch.Tensor, products: Products | None = None) -> torch.Tensor:
         """Fuse the captured target states (concatenated, width n*H_t) into one drafter state."""
@@ -453,3 +441,22 @@ def _routed(original):
 
 
 __all__ = ["Eagle3DraftModel", "Eagle3DraftOutput", "route_auto_classes"]
+
+
+def rotary_rows(rotary: nn.Module, like: torch.Tensor, position_ids: torch.Tensor, tables: dict,
+                below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary embedding's cos and sin `[B, n, D]` at `position_ids` `[B, n]` in `like`'s dtype; on a CPU, rows of
+    a table of them that it computed once for positions 0..L-1 (kept in `tables`, grown by doubling): the same
+    numbers, each being one position times one frequency. `below`, where the caller knows it: a bound on the
+    positions, so that sizing the table reads none of them. Types that change with the length (dynamic, longrope)
+    compute them at each call, and so does CUDA (sizing the table would wait for the device)."""
+    if like.device.type != "cpu" or "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
+        return rotary(like, position_ids)
+    key = (like.dtype, rotary.inv_freq.data_ptr())
+    cos, sin = tables.get(key, (None, None))
+    needed = int(position_ids.max()) + 1 if below is None else below
+    if cos is None or cos.shape[0] < needed:
+        length = max(needed, 2 * (0 if cos is None else cos.shape[0]), 256)
+        cos, sin = (part[0] for part in rotary(like, torch.arange(length, device=like.device)[None]))
+        tables[key] = cos, sin
+    return cos[position_ids], sin[position_ids]

@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import hf_eagle31
 from hf_eagle31 import Eagle3Config, Eagle3DraftModel
 from hf_eagle31.training.capacity import add_decoder_layers
+from hf_eagle31.modeling import rotary_rows
 
 
 def rms(x, weight, eps):
@@ -72,14 +73,20 @@ def test_draft_step_matches_the_spec(fc_norm, norm_output, layers):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_table_rows_equal_the_rotary_embedding_at_every_position(dtype):
-    """`rotary_at` reads rows of a table it grows as positions pass its end; each row must be what the rotary
-    embedding computes for that position alone, bit for bit, in each dtype (a table per dtype)."""
-    drafter = make_drafter(make_target("llama"), eagle31=True)
+    """`rotary_rows` (the drafter's `rotary_at`, the lean forward's) reads rows of a table it grows as positions pass
+    its end; each row must be what the rotary embedding computes for that position alone, bit for bit, in each dtype
+    (a table per dtype)."""
+    target = make_target("llama")
+    drafter = make_drafter(target, eagle31=True)
     like = torch.zeros(1, 1, drafter.config.hidden_size, dtype=dtype)
+    tables = {}  # the target's, as the lean forward keeps them: sized by a bound on the positions, not by reading them
     for positions in ([[0, 1, 2]], [[255, 256, 700]], [[3000, 5, 4999]], [[7, 7, 8]]):  # grows twice, then reads
         positions = torch.tensor(positions)
         expected = drafter.rotary_emb(like, positions)
         got = drafter.rotary_at(like, positions)
+        assert all(g.dtype == dtype and torch.equal(g, e) for g, e in zip(got, expected))
+        expected = target.model.rotary_emb(like, positions)
+        got = rotary_rows(target.model.rotary_emb, like, positions, tables, int(positions.max()) + 1)
         assert all(g.dtype == dtype and torch.equal(g, e) for g, e in zip(got, expected))
 
 
