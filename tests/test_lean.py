@@ -323,7 +323,7 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
         pointer = caches[1].layers[0].keys.data_ptr()
         (keys,), (values,), length = room.reserve(caches[1], n)  # as the lean forward writes a block
         keys[:, :, length:], values[:, :, length:] = block
-        room.commit(caches[1], [keys], [values])
+        room.commit(caches[1], length + n)
         moves += caches[1].layers[0].keys.data_ptr() != pointer
         layer = caches[1].layers[0]
         assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
@@ -337,8 +337,31 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
             batch = 1
         (keys, values), (room_keys, room_values) = ((c.layers[0].keys, c.layers[0].values) for c in caches)
         assert torch.equal(room_keys, keys) and torch.equal(room_values, values)
-    assert torch.equal(kept_before, held)
+    assert torch.equal(kept_before, held) and kept_before.shape == held.shape
     assert moves <= 4  # the first block, the row leaving, and a new buffer when the room runs out
+
+
+def test_the_cache_room_grows_the_tensors_it_gave_in_place_and_no_others():
+    """Where the rows library is loaded, `commit` grows the layer's tensors the room gave it in place (no new views a
+    step); a tensor taken from the cache before, or one transformers made (a crop), keeps its shape."""
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), 0)
+    before = cache.layers[0].keys
+    room = llama_verify.CacheRoom([])
+    shapes = []
+    for step in range(3):
+        _, _, length = room.reserve(cache, 1, views=False)
+        room.commit(cache, length + 1)
+        shapes.append((cache.layers[0].keys, cache.layers[0].keys.shape[2]))
+    assert before.shape[2] == 6 and [length for _, length in shapes] == [7, 8, 9]
+    if rows.rows_kernel():
+        assert shapes[0][0] is shapes[1][0] is shapes[2][0]  # grown in place
+    cache.crop(-1)
+    cropped = cache.layers[0].keys
+    _, _, length = room.reserve(cache, 2, views=False)
+    room.commit(cache, length + 2)
+    assert cropped.shape[2] == 8 and cache.layers[0].keys.shape[2] == 10
+    assert torch.equal(cache.layers[0].keys[:, :, :8], cropped)
 
 
 def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(monkeypatch):

@@ -166,34 +166,46 @@ class CacheRoom:
         self.weights_held = False  # the rows library holds the weights for this call (`hold_weights`)
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> keys', values' buffers
         self.rotary_tables: dict = {}  # the target's rotary cos and sin by position (`rotary_rows`)
-        self.committed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what `commit` gave the layers
+        # layer index -> the keys and values the room gave the layer (`commit`): views of its buffers' front
+        self.given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.key, self.buffers_held = next(_ROOM_KEYS), False  # the rows library holds the buffers (`hold_buffers`)
 
-    def reserve(self, cache: Cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-        """Every layer's keys and values `[B, H, length + n, D]` in its buffers, the cache at the front, and the
-        `length` cached: the forward writes its `n` keys and values behind it, `commit` makes them the cache. A layer
-        still holding the very tensors `commit` gave it is the front of its buffers without checking (transformers
-        replaces a layer's tensors, never reshapes them in place): 0.2 ms a SmolLM2 step less."""
-        layers = []
-        committed, self.committed = self.committed, None
+    def reserve(self, cache: Cache, n: int, views: bool = True
+                ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, int]:
+        """Room for `n` entries behind the `length` cached in every layer's buffers (the cache at their front), and
+        `length`; with `views`, every layer's keys and values `[B, H, length + n, D]` there, for a forward that writes
+        its block behind the cache and attends over them (one in the rows library's room takes none). `commit` makes
+        the block part of the cache. A layer still holding the very tensors the room gave it is the front of its
+        buffers without checking (transformers replaces a layer's tensors, never reshapes them in place): 0.2 ms a
+        SmolLM2 step less."""
         for index, layer in enumerate(cache.layers):
-            length, buffers = layer.keys.shape[2], self.buffers.get(index)
-            front = committed is not None and layer.keys is committed[0][index] and \
-                layer.values is committed[1][index]
+            length, buffers, given = layer.keys.shape[2], self.buffers.get(index), self.given.get(index)
+            front = given is not None and layer.keys is given[0] and layer.values is given[1]
             if buffers is None or length + n >= buffers[0].shape[2] or not (  # never full: one compiled graph
                     front or _front_of(layer.keys, buffers[0]) and _front_of(layer.values, buffers[1])):
                 room = max(self.MIN_ROOM, length // 16) + n
                 buffers = self.buffers[index] = (_with_room(layer.keys, room), _with_room(layer.values, room))
+                self.given.pop(index, None)  # what it gave the layer is of the buffers before
                 self.buffers_held = False
-            layers.append(buffers)
-        fronts = _fronts([buffer for buffers in layers for buffer in buffers], length + n)
+        if not views:
+            return None, None, length
+        fronts = _fronts([buffer for index in range(len(cache.layers)) for buffer in self.buffers[index]], length + n)
         return fronts[0::2], fronts[1::2], length
 
-    def commit(self, cache: Cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Each layer's cache is now the keys and values `reserve` handed out, the block written behind the cache."""
-        for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
-            layer.keys, layer.values = layer_keys, layer_values
-        self.committed = keys, values
+    def commit(self, cache: Cache, length: int) -> None:
+        """Each layer's cache is now the first `length` entries of its buffers, the block written behind the cache: the
+        tensors the room gave the layer, grown in place by the rows library where it is loaded (no 60 new views a
+        SmolLM2 step, each a Python object: ~0.1 ms), else new views."""
+        grows, grown = rows.rows_kernel(), []
+        for index, layer in enumerate(cache.layers):
+            given = self.given.get(index)
+            if grows and given is not None and layer.keys is given[0] and layer.values is given[1]:
+                grown += given
+            else:
+                keys, values = self.buffers[index]
+                self.given[index] = layer.keys, layer.values = keys.narrow(2, 0, length), values.narrow(2, 0, length)
+        if grown:
+            torch.ops.hf_eagle31_rows.grow(grown, length)
 
     def hold_weights(self, model: nn.Module) -> None:
         """Hand the rows library each product's weights and bias under its key, once a call, for a compiled graph that
@@ -396,10 +408,6 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     """`verify_forward`'s result where `fits` and `fits_step`: raw float logits `[B, n, V]`, features `[B, n, 3 H_t]`."""
     model, n = target.model, tokens.shape[1]
     x = model.embed_tokens(tokens)
-    keys, values, length = room.reserve(cache, n)
-    # over the heads; a table's rows, the block's positions being below the entries cached and written
-    cos, sin = (part.unsqueeze(2) for part in rotary_rows(model.rotary_emb, x, positions, room.rotary_tables,
-                                                          length + n))
     config = model.config
     # one graph for every block size, none that equal another size by chance; one-token forwards compile a graph
     # of their own, so only a plain call's steps (`fast_decoding`: no features) take one, not an EAGLE call's rare
@@ -412,14 +420,17 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
     whole = direct and attends and not compiled and room.norms is not None
     # the cache in the library, which writes and attends there: a whole forward's, and a one-token step's
     in_room = attends and (whole or n == 1 and (direct or not compiled))
+    keys, values, length = room.reserve(cache, n, views=not in_room)
+    # over the heads; a table's rows, the block's positions being below the entries cached and written
+    cos, sin = (part.unsqueeze(2) for part in rotary_rows(model.rotary_emb, x, positions, room.rotary_tables,
+                                                          length + n))
     if in_room:
         room.hold_buffers()
     # a one-token step of rows without pads or holes sees every cached key: the library's attention adds no mask
     # (adding the zeros changes no score)
     mask = None if in_room and n == 1 and plan.key_padding is None else plan.additive_layer_mask(
         length + n, None, x.dtype, config.num_attention_heads // config.num_key_value_heads)
-    inputs = (x, cos, sin, None if in_room else keys, None if in_room else values, length, mask,
-              tuple(target_layer_ids))
+    inputs = (x, cos, sin, keys, values, length, mask, tuple(target_layer_ids))
     logits = None  # the head's, where the library multiplied by it
     if whole:
         x, features, logits = _whole_step(model, room, x, cos, sin, length, mask, list(target_layer_ids))
@@ -437,7 +448,7 @@ def llama_verify_forward(target: PreTrainedModel, cache: Cache, room: CacheRoom,
                                "compile_step=False") from error
     else:
         x, features = _decoder(model, room.products, *inputs, room=room.key if in_room else None)
-    room.commit(cache, keys, values)
+    room.commit(cache, length + n)
     if logits is not None:
         return logits, features
     with products_mode(active_products()):  # the head as a module (its hooks see every forward), on its product
