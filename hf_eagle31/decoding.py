@@ -39,7 +39,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_eagle31.acceptance import accept_or_resample, children_by_token, pick_token, walk
+from hf_eagle31.acceptance import accept_or_resample, children_by_token, pick_token, stopper, walk
 from hf_eagle31.cache import compact_cache, draft_budget
 from hf_eagle31.compat import CACHE_KWARG
 from hf_eagle31.control import CollapseMonitor, DepthController, draft_depth
@@ -179,7 +179,7 @@ class EagleLoop:
                  generation_config: GenerationConfig, drafter: Eagle3DraftModel | None, speculation: Speculation,
                  prepared: Prepared, streamer=None, **model_kwargs):
         self.input_ids, self.speculation, self.prepared = input_ids, speculation, prepared
-        self.processors, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
+        self.processors, self.stops, self.streamer = logits_processor, stopper(stopping_criteria), streamer
         self.config, self.model_kwargs = generation_config, model_kwargs
         self.batch_size = input_ids.shape[0]
         check_batch(model, self.batch_size, generation_config, streamer)
@@ -223,14 +223,16 @@ class EagleLoop:
         """Pick the row's next token from its raw logits `[V]` as plain `generate` does (a sampled chain's drafted
         token is accepted against its `proposal`, which draws from the same distribution), and record it."""
         scores = row.processors(row.sequence, logits[None])
-        token = pick_token(scores, self.do_sample) if proposal is None else accept_or_resample(scores, *proposal)
-        row.sequence = torch.cat([row.sequence, token.to(row.sequence.device)], dim=1)
+        picked = pick_token(scores, self.do_sample, self.prepared.argmax) if proposal is None else \
+            accept_or_resample(scores, *proposal)
+        row.sequence = torch.cat([row.sequence, picked.to(row.sequence.device)], dim=1)
         row.position += 1
         if self.scores_out is not None:
             self.scores_out.append(scores)
         if self.logits_out is not None:
             self.logits_out.append(logits[None])
-        return int(token), bool(self.stopping_criteria(row.sequence, scores).any())
+        token = int(picked)
+        return token, self.stops(row.sequence, token, scores)
 
     def prefill(self) -> None:
         """The prompts through the target (past what the cache holds); each row emits its first token, and the

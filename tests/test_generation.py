@@ -10,9 +10,16 @@ import pytest
 import torch
 from tiny_models import PROMPTS, VOCAB, make_drafter, make_target, make_tokenizer, trained_pair
 from transformers import DynamicCache, GenerationConfig, StaticCache
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import hf_eagle31  # noqa: F401  (routes generate(assistant_model=<EAGLE drafter>))
+from hf_eagle31.acceptance import stopper
 from hf_eagle31.training.capacity import add_decoder_layers
 
 MODES = ["chain", "tree"]
@@ -163,6 +170,31 @@ def test_eos_stops_where_plain_generate_stops(mode):
     expected = plain(target, prompt, max_new_tokens=40, eos_token_id=eos)
     out = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=eos, assistant_model=drafter)
     assert expected.shape[1] < reference.shape[1] and torch.equal(out, expected)
+
+
+class EveryFifthLength(StoppingCriteria):
+    """A criterion of the caller's own, which the stop test calls as transformers would."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] % 5 == 0, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("criteria", [
+    [MaxLengthCriteria(12)],
+    [MaxLengthCriteria(12, max_position_embeddings=9), EosTokenCriteria([3, 7])],
+    [EosTokenCriteria(5), EveryFifthLength()],
+    [MaxLengthCriteria(14), MaxLengthCriteria(11), EosTokenCriteria(torch.tensor([[2], [8]]))],
+    [],
+])
+def test_the_stop_test_answers_as_transformers_stopping_criteria_do(criteria):
+    """`stopper` answers transformers' max-length and EOS criteria from the sequence's length and its last token and
+    calls any other: each answer must be `bool(criteria(sequence, scores).any())`, below, at and past each length."""
+    criteria, generator = StoppingCriteriaList(criteria), torch.Generator().manual_seed(0)
+    stops = stopper(criteria)
+    for length in range(1, 17):
+        for _ in range(4):
+            sequence, scores = torch.randint(0, 10, (1, length), generator=generator), torch.randn(1, 10)
+            assert stops(sequence, int(sequence[0, -1]), scores) == bool(criteria(sequence, scores).any())
 
 
 @pytest.mark.parametrize("mode", MODES)

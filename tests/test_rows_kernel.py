@@ -3,6 +3,7 @@ verify block has, its attention (rows_attention.cpp) against torch's, and its bu
 loaded by later processes without torch's builder, robust to a build killed halfway and to a compiler that fails."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -184,6 +185,23 @@ def test_the_kernels_attention_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="one dtype"):
         torch.ops.hf_eagle31_rows.attention(query, key.bfloat16(), key, None, 1.0)
     assert rows.attends(64) and rows.attends(256) and not rows.attends(40) and not rows.attends(272)
+
+
+@needs_kernel
+@pytest.mark.parametrize("size", [1, 15, 16, 17, 100, 49152])  # a partial vector, whole ones, a vocabulary
+def test_the_librarys_argmax_picks_the_index_torchs_argmax_picks(size):
+    """The greedy pick a CPU decoding takes (`acceptance.pick_token`): the first of equal largest scores (-0 equal
+    to 0), the first NaN where there is one, as torch's argmax; other dtypes and layouts are torch's own."""
+    generator = torch.Generator().manual_seed(size)
+    for trial in range(60):
+        scores = torch.randint(-3, 3, (3, size), generator=generator).float()  # ties everywhere
+        where = torch.rand(3, size, generator=generator)
+        scores[where > 0.97] = -0.0
+        scores[where < 0.01 * (trial % 3)] = float("nan")
+        if trial % 10 == 0:
+            scores[1] = -math.inf
+        for case in (scores, scores[:, :-1] if size > 1 else scores, scores.bfloat16(), scores.t()[:, :1]):
+            assert torch.equal(torch.ops.hf_eagle31_rows.argmax(case), case.argmax(-1, keepdim=True))
 
 
 FIRST_CALL = textwrap.dedent("""

@@ -7,6 +7,7 @@
     prepared.draft_forward                                      # the drafter's forward computed whole, or None
     prepared.draft_replay                                       # a fixed-shape draft's replay (CUDA graphs), or None
     prepared.compiled                                           # whether the verify forwards run as one inductor graph
+    prepared.argmax                                             # a greedy pick of scores [..., V] -> [..., 1], or None
 
 The default backend runs transformers' forward unchanged (`verification.verify_forward`) and the drafter's
 layers as modules. The CPU backend (cpu/) computes the same products faster on a CPU and, for a
@@ -41,11 +42,14 @@ Verify = Callable[[Cache, VerifyPlan, torch.Tensor, torch.Tensor, Callable | Non
 @dataclass(frozen=True)
 class TargetForwards:
     """How one call runs the target: its forward for anything but a verify block (the prefill: `forward(**inputs)`)
-    and its verify forward; `compiled`: whether the verify forwards run as one inductor graph (`compile_verify`)."""
+    and its verify forward; `compiled`: whether the verify forwards run as one inductor graph (`compile_verify`);
+    `argmax`: how a greedy decoding picks from its processed scores, `scores.argmax(-1, keepdim=True)`'s result
+    computed faster (None: torch's own)."""
 
     forward: Callable[..., object]
     verify: Verify
     compiled: bool = False
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

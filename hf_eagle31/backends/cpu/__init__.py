@@ -6,11 +6,12 @@ computed whole (draft.py)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from hf_eagle31.backends import TargetForwards
-from hf_eagle31.backends.cpu import draft, lean
+from hf_eagle31.backends.cpu import draft, lean, rows
 from hf_eagle31.backends.cpu.products import Products, can_pack, products_for
 from hf_eagle31.drafting import DraftForward
 from hf_eagle31.modeling import Eagle3DraftModel
@@ -43,7 +44,8 @@ class CpuBackend:
             with products.active(mode=True):
                 return verify_forward(target, cache, plan, tokens, positions, target_layer_ids)
 
-        return TargetForwards(forward, verify, room is not None and room.compiled)
+        return TargetForwards(forward, verify, room is not None and room.compiled,
+                              torch.ops.hf_eagle31_rows.argmax if rows.rows_kernel() else None)
 
     def products(self, model: nn.Module) -> Products | None:
         return products_for(model) if can_pack(model) else None
