@@ -151,10 +151,10 @@ def _block(trees: list[DraftTree], ancestors: list[torch.Tensor], blocks: list[t
            pad: int, width: int = 0):
     """A verify forward's input: tokens and positions `[B, n]` and the ancestor masks `[B, n, n]` of each row's
     `blocks` nodes, `n` the largest block or `width` (a row with fewer nodes is padded with nodes that see only
-    themselves). One row verifying its whole tree (a block holds its nodes in level order) takes it as it is: a
-    plain step's fixed cost is a dozen small operations less."""
+    themselves). One row verifying its whole tree unpadded (a block holds its nodes in level order) takes it as it
+    is: a plain step's fixed cost is a dozen small operations less."""
     n = max(width, *(block.shape[0] for block in blocks))
-    if len(trees) == 1 and n == len(trees[0]):
+    if len(trees) == 1 and blocks[0].shape[0] == len(trees[0]) == n:
         tree = trees[0]
         return tree.tokens[None], (tree.depths + roots[0])[None], ancestors[0][None]
     device = trees[0].tokens.device

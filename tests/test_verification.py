@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tiny_models import PROMPTS, make_target, verify_logits
 from transformers import DynamicCache
 
+from hf_eagle31.decoding import _block
 from hf_eagle31.drafting import DraftTree
 from hf_eagle31.generation import eagle_verification
 from hf_eagle31.verification import tree_attention_forward
@@ -94,3 +95,17 @@ def test_batched_verify_attention_folds_query_heads_without_changing_a_bit(dtype
                                               enable_gqa=groups > 1).transpose(1, 2)
     got, _ = tree_attention_forward(torch.nn.Module(), query, key, value, None, eagle_verify_plan=plan)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_a_verify_block_holds_its_chunks_nodes_padded_to_the_width_and_a_whole_tree_as_it_is():
+    """`_block` takes one row's whole unpadded tree as it is; any other block (a chunk, padded to a fixed width that
+    equals the tree's size, as a compiled verify pads it) gathers its own nodes, then pads."""
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
+    ancestors = [tree.ancestor_mask()]
+    tokens, positions, mask = _block([tree], ancestors, [torch.arange(4)], [10], pad=0)
+    assert tokens.tolist() == [[5, 6, 7, 8]] and positions.tolist() == [[10, 11, 11, 12]]
+    assert torch.equal(mask[0], ancestors[0])
+    tokens, positions, mask = _block([tree], ancestors, [torch.tensor([0, 1])], [10], pad=0, width=4)
+    assert tokens.tolist() == [[5, 6, 0, 0]] and positions.tolist() == [[10, 11, 10, 10]]
+    assert torch.equal(mask[0], torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]).bool())
+
