@@ -178,14 +178,15 @@ class DraftTree:
     def root_only(cls, root_token: torch.Tensor) -> "DraftTree":
         """The tree of the root alone, `root_token` `[1]`: a plain step's (no field of a tree is written in place, so
         every such tree shares the rest)."""
-        return cls(root_token, *_root_parts(root_token.device))
+        parents, depths, ranks, frontier_ranks, ancestors = _root_parts(root_token.device)
+        return cls(root_token, parents, depths, ranks, frontier_ranks, ancestors=ancestors)
 
 
 @functools.cache
 def _root_parts(device: torch.device) -> tuple[torch.Tensor, ...]:
     """A lone root's parents, depths, ranks, frontier ranks and ancestor mask on `device`."""
     zero = torch.zeros(1, dtype=torch.long, device=device)
-    return zero - 1, zero, zero - 1, zero[:0], None, torch.ones(1, 1, dtype=torch.bool, device=device)
+    return zero - 1, zero, zero - 1, zero[:0], torch.ones(1, 1, dtype=torch.bool, device=device)
 
 
 def ancestor_masks(parents: torch.Tensor, depth: int) -> torch.Tensor:

@@ -13,6 +13,9 @@
 
 namespace hf_eagle31_rows {
 
+// The first `left` lanes of a vector, all 16 where at least that many are left: a loop's last vector over n values.
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
 // The lanes of `m` (all 16 by default) of T at p as fp32; a bf16 is the top half of the fp32 with the same bits.
 inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 m = 0xFFFF) {

@@ -23,6 +23,7 @@
 namespace {
 
 using hf_eagle31_rows::exp16;
+using hf_eagle31_rows::lanes;
 using hf_eagle31_rows::load16;
 
 constexpr int MAX_DIM = 256;  // head dims up to this, in steps of 16 (a vector)
@@ -108,8 +109,8 @@ float softmax_weights(const T* q, const T* k, int64_t ks, const T* mask, int64_t
   const float top = score(qv, vectors, k, ks, mask, L, s);
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; j += 16) {
-    const __mmask16 lanes = L - j >= 16 ? 0xFFFF : (__mmask16)((1u << (L - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
+    const __m512 e =
+        _mm512_maskz_mov_ps(lanes(L - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
     _mm512_storeu_ps(s + j, e);
     total = _mm512_add_ps(total, e);
   }

@@ -26,6 +26,7 @@
 namespace {
 
 using hf_eagle31_rows::exp16;
+using hf_eagle31_rows::lanes;
 using hf_eagle31_rows::load16;
 using hf_eagle31_rows::round16;
 using hf_eagle31_rows::store16;
@@ -33,7 +34,7 @@ using hf_eagle31_rows::store16;
 // f(j, lanes) over 0..n in vectors of 16, the last one masked to what is left.
 template <class F>
 inline void by16(int64_t n, F f) {
-  for (int64_t j = 0; j < n; j += 16) f(j, n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1));
+  for (int64_t j = 0; j < n; j += 16) f(j, lanes(n - j));
 }
 
 // transformers' Llama RMSNorm of one row: x over its root mean square in fp32, rounded to T, times the weight.
@@ -507,15 +508,14 @@ int64_t argmax_of(const float* x, int64_t V) {
   __m512 largest = none;
   __mmask16 nan = 0;
   for (int64_t j = 0; j < V && !nan; j += 16) {
-    const __mmask16 m = V - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - j)) - 1);
-    const __m512 v = _mm512_mask_loadu_ps(none, m, x + j);
+    const __m512 v = _mm512_mask_loadu_ps(none, lanes(V - j), x + j);
     nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     largest = _mm512_max_ps(largest, v);
   }
   if (nan) return std::find_if(x, x + V, [](float v) { return std::isnan(v); }) - x;
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
   for (int64_t j = 0;; j += 16) {
-    const __mmask16 m = V - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - j)) - 1);
+    const __mmask16 m = lanes(V - j);
     const __mmask16 equal = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + j), top, _CMP_EQ_OQ);
     if (equal) return j + __builtin_ctz(equal);
   }
