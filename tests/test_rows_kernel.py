@@ -5,6 +5,7 @@ loaded by later processes without torch's builder, robust to a build killed half
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -324,6 +325,15 @@ def test_a_thread_asking_while_another_builds_computes_without_it(monkeypatch):
             warnings.simplefilter("error")
             assert rows_kernel() is False
     assert rows._LOADED == []  # not decided: the builder decides
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or shutil.which(rows._compiler()) is None,
+                    reason="the kernel builds on AVX-512 with a C++ compiler only")
+def test_the_library_builds_where_it_can():
+    """A source that did not compile fell back with a warning, every test of the library skipped and the suite
+    passed: here, with the CPU and the compiler it needs, it must have built (bf16 too where the CPU has it)."""
+    assert rows_kernel(), "the rows library did not build: see the warning above for the compiler's error"
+    assert bf16_kernel() == torch.cpu._is_avx512_bf16_supported()
 
 
 def test_no_avx512_means_no_kernel(monkeypatch):
