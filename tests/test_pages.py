@@ -72,20 +72,56 @@ def test_tensors_side_by_side_are_one_span():
     assert collapsed(layers) >= 3
 
 
-def test_memory_mapped_from_a_file_is_left_as_it_is(tmp_path, monkeypatch):
-    """As fp32 weights loaded straight from safetensors are: Linux refuses, nothing changes, and after a few
-    refusals the rest is not asked for (each generate call asks again)."""
-    path = tmp_path / "weights.bin"
-    path.write_bytes(os.urandom(64 << 20))
-    with open(path, "rb") as file:
-        mapped = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    weight = torch.frombuffer(mapped, dtype=torch.uint8)
+def mapped(path: Path, size: int, flags: int) -> tuple[torch.Tensor, bytes]:
+    """A file of `size` random bytes mapped (MAP_PRIVATE: as safetensors maps a checkpoint), as a tensor."""
+    data = os.urandom(size)
+    path.write_bytes(data)
+    with open(path, "rb+") as file:
+        memory = mmap.mmap(file.fileno(), 0, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(memory, dtype=torch.uint8), data
+
+
+def on_file(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's memory is a file's mapping (a named inode in /proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        first, last = (int(address, 16) for address in line.split()[0].split("-"))
+        if first <= tensor.data_ptr() < last:
+            return line.split()[4] != "0"
+    raise AssertionError("the tensor's memory is not mapped")
+
+
+@pytest.mark.skipif(not collapsing(), reason="Linux 6.1+ with huge pages not turned off moves memory onto them")
+def test_a_files_private_mapping_moves_onto_huge_pages_in_place(tmp_path):
+    """Weights loaded from safetensors in the checkpoint's own dtype are the file, mapped privately: 4 KiB pages
+    Linux does not collapse. They move onto anonymous memory: the same addresses and values, the file untouched."""
+    weight, data = mapped(tmp_path / "weights.bin", 24 << 20, mmap.MAP_PRIVATE)
+    address, values, before = weight.data_ptr(), weight.clone(), huge_kib()
+    assert on_file(weight)
+    done = collapsed([weight])
+    assert done >= 11 and huge_kib() - before >= done * 2048 and not on_file(weight)
+    assert weight.data_ptr() == address and torch.equal(weight, values)
+    weight[:4096] = 7  # writable as before, and still private: the file keeps its bytes
+    assert (tmp_path / "weights.bin").read_bytes() == data
+    assert pages.collapse([weight]) == done  # moved once: done again at once
+
+
+def test_a_files_shared_mapping_is_left_as_it_is(tmp_path, monkeypatch):
+    """Writes to a shared mapping reach the file: it stays, and after a few refusals the rest is not asked for
+    (each generate call asks again)."""
+    weight, _ = mapped(tmp_path / "weights.bin", 64 << 20, mmap.MAP_SHARED)
     values = weight.clone()
     advise, asked = pages._madvise(), []
     if advise is not None:
         monkeypatch.setattr(pages, "_madvise", lambda: lambda *args: asked.append(args) or advise(*args))
-    assert pages.collapse([weight]) == 0 and torch.equal(weight, values)
+    assert pages.collapse([weight]) == 0 and torch.equal(weight, values) and on_file(weight)
     assert len(asked) <= pages.REFUSALS
+
+
+def test_a_file_stays_where_linux_collapses_nothing(tmp_path, monkeypatch):
+    """An older kernel refuses every range: moving the file's mapping would copy it for nothing."""
+    weight, _ = mapped(tmp_path / "weights.bin", 24 << 20, mmap.MAP_PRIVATE)
+    monkeypatch.setattr(pages, "_collapses", lambda: False)
+    assert pages.collapse([weight]) == 0 and on_file(weight)
 
 
 def test_nothing_is_asked_where_there_is_no_madvise(monkeypatch):
