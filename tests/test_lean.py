@@ -1,9 +1,11 @@
 """The lean verify forward of a Llama target (hf_eagle31/backends/cpu/lean.py) against transformers' own forward."""
 
 import copy
+import gc
 import math
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,56 @@ def test_fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_
     whole = {event.key: event.count for event in profile.key_averages()}.get("hf_eagle31_rows::step", 0)
     library = rows.attends(target.model.layers[0].self_attn.head_dim) and routes.on_kernel(1, target.dtype)
     assert whole == (15 if library else 0)
+
+
+def test_a_whole_forward_holds_the_weights_while_its_call_lasts_and_lets_them_go(monkeypatch):
+    """The rows library looks a call's weights up at its first whole forward and holds them for the rest
+    (rows_step.cpp's `prepared_for`): a weight replaced between calls is the one the next call multiplies by (plain
+    greedy's output), and once the call is over the library holds no weight the model let go of."""
+    kernel_routes(monkeypatch, torch.float32)
+    target = make_target("llama")
+    steps = []
+    whole_step = llama_verify._whole_step
+    monkeypatch.setattr(llama_verify, "_whole_step", lambda *args: steps.append(1) or whole_step(*args))
+    step, fast = dict(do_sample=False, max_new_tokens=12), dict(custom_generate=hf_eagle31.fast_decoding)
+    assert torch.equal(target.generate(PROMPTS[:1, :4], **step, **fast), target.generate(PROMPTS[:1, :4], **step))
+    down = target.model.layers[1].mlp.down_proj
+    old = weakref.ref(down.weight)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        down.weight = torch.nn.Parameter(down.weight + torch.randn_like(down.weight) * 0.5)
+    gc.collect()
+    assert old() is None, "the library still holds a weight of a call that is over"
+    plain = target.generate(PROMPTS[:1, :4], **step)
+    assert torch.equal(target.generate(PROMPTS[:1, :4], **step, **fast), plain) and len(steps) == 22
+
+
+def test_two_calls_at_once_multiply_by_their_own_models_weights(monkeypatch):
+    """A call inside another (from its streamer, as another thread's would run beside it) on another model: each
+    call's whole forwards multiply by its own model's weights (plain greedy's output for both)."""
+    kernel_routes(monkeypatch, torch.float32)
+    outer, inner = make_target("llama"), make_target("llama")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for weight in inner.parameters():
+            weight.add_(torch.randn_like(weight) * 0.3)
+    step, fast = dict(do_sample=False, max_new_tokens=12), dict(custom_generate=hf_eagle31.fast_decoding)
+    puts, inside = [], []
+
+    class Streamer:
+        def put(self, tokens):
+            puts.append(tokens)
+            if len(puts) in (3, 4):  # the prompt, the prefill's token, then tokens of the outer call's whole steps
+                inside.append(inner.generate(PROMPTS[:1, :4], **step, **fast))
+
+        def end(self):
+            pass
+
+    outer_tokens = outer.generate(PROMPTS[:1, :4], **step, **fast, streamer=Streamer())
+    assert torch.equal(outer_tokens, outer.generate(PROMPTS[:1, :4], **step))
+    plain = inner.generate(PROMPTS[:1, :4], **step)
+    assert not torch.equal(plain, outer_tokens) and len(inside) == 2
+    assert all(torch.equal(tokens, plain) for tokens in inside)
 
 
 def lean_forward(target, whole: bool, block: bool, head: bool = True):

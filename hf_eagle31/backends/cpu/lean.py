@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -213,8 +214,8 @@ class CacheRoom:
 
         Why: the graph then names each product by its key, a constant, instead of taking its weights as inputs, and
         inductor's entry into a graph gathers and checks every input at every call: 0.5 ms of a compiled SmolLM2 step
-        less (its ~210 weights of ~340 inputs; docs/benchmarks.md). The library holds the weights weakly: a model
-        deleted is freed."""
+        less (its ~210 weights of ~340 inputs; docs/benchmarks.md). The library holds the weights weakly, a model
+        deleted is freed, but for a whole forward (`_whole_step`) strongly while the room lasts."""
         if not self.weights_held:
             members = _product_members(model) + ([(self.head,)] if self.head is not None else [])
             biases = [stacked_bias(tuple(linear.bias for linear in linears)) for linears in members]
@@ -222,6 +223,9 @@ class CacheRoom:
                                            [len(linears) for linears in members],
                                            [linear.weight for linears in members for linear in linears], biases)
             self.weights_held = True
+            # a whole forward's, looked up at the room's first and held for the rest (rows_step.cpp's `prepared_for`),
+            # are let go when the room ends
+            weakref.finalize(self, torch.ops.hf_eagle31_rows.release, self.key).atexit = False
 
     def hold_buffers(self) -> None:
         """Hand the rows library every layer's buffers under this room's key, where it does not hold them yet: a

@@ -16,8 +16,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -323,6 +326,59 @@ void layers_in_team(Forward& f, const std::vector<hf_eagle31_rows::Weights>& wei
   });
 }
 
+// What a room's forwards multiply by: each product's keys (four a layer, then the head's or -1) and the sizes its
+// weights were checked against.
+struct Shape {
+  std::vector<int64_t> keys;
+  int64_t head;
+  at::ScalarType dtype;
+  int64_t H, D, heads, kv, intermediate;
+  bool operator==(const Shape& other) const {
+    return keys == other.keys && head == other.head && dtype == other.dtype && H == other.H && D == other.D &&
+           heads == other.heads && kv == other.kv && intermediate == other.intermediate;
+  }
+};
+
+// A room's weights, looked up and checked at its first forward and held (strongly) until the room is released.
+// Why: looked up at every forward (under a lock, a weak reference locked for each of SmolLM2's 211 weights) and
+// checked, they cost ~0.1 ms a step, most of it cache misses in the tensors the step before streamed past.
+struct Prepared {
+  Shape shape;
+  std::vector<hf_eagle31_rows::Weights> layers;  // four a layer
+  hf_eagle31_rows::Weights head;
+  int64_t vocabulary = 0;
+};
+std::mutex prepared_lock;
+std::unordered_map<int64_t, std::shared_ptr<const Prepared>> prepared;
+
+// The weights of `room`'s forwards of `shape`: those held for it, or looked up and checked now (and held).
+std::shared_ptr<const Prepared> prepared_for(int64_t room, Shape shape) {
+  {
+    std::lock_guard<std::mutex> lock(prepared_lock);
+    const auto entry = prepared.find(room);
+    if (entry != prepared.end() && entry->second->shape == shape) return entry->second;
+  }
+  auto made = std::make_shared<Prepared>();
+  made->layers = hf_eagle31_rows::held_weights(shape.keys);
+  for (size_t index = 0; 4 * index < shape.keys.size(); ++index)
+    check_layer(&made->layers[4 * index], shape.keys.data() + 4 * index, shape.H, shape.H, shape.D, shape.heads,
+                shape.kv, shape.intermediate, shape.dtype, "hf_eagle31_rows::step");
+  if (shape.head != -1) {
+    made->head = std::move(hf_eagle31_rows::held_weights({shape.head})[0]);
+    made->vocabulary = hf_eagle31_rows::features_of(made->head.weights, shape.H, shape.dtype, "hf_eagle31_rows::step",
+                                                    shape.head);
+  }
+  made->shape = std::move(shape);
+  std::lock_guard<std::mutex> lock(prepared_lock);
+  return prepared[room] = std::move(made);
+}
+
+// The room is done (lean.py's `CacheRoom`, at its end): its weights are no longer held for it.
+void release(int64_t room) {
+  std::lock_guard<std::mutex> lock(prepared_lock);
+  prepared.erase(room);
+}
+
 // The decoder layers and final norm over a block of n tokens a row: x [B, n, H] (the embedding's), `products` four
 // keys a layer (q/k/v, o, gate/up, down: lean.py's `product_keys`), `norms` and `eps` two a layer and the final
 // norm's, cos and sin [B, n, (1,) D], the cache in `room` (`hold_room`) with `length` entries cached, the additive
@@ -359,29 +415,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> step(
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   Forward f = forward_for(x, D, heads, kv_heads, intermediate, length, length + n, mask, scale, ways,
                           at::get_num_threads());
-  // four a layer, looked up under one lock and checked once a forward (~0.1 ms of a SmolLM2 step: most of it cache
-  // misses in the tensors, which the step before streamed its weights past)
-  const std::vector<hf_eagle31_rows::Weights> weights = hf_eagle31_rows::held_weights(products);
+  const std::shared_ptr<const Prepared> weights =
+      prepared_for(room, {products.vec(), head, dtype, H, D, heads, kv_heads, intermediate});
   std::vector<LayerCache> caches;
-  for (int64_t index = 0; index < layers; ++index) {
-    check_layer(&weights[4 * index], products.data() + 4 * index, H, H, D, heads, kv_heads, intermediate, dtype,
-                "hf_eagle31_rows::step");
-    caches.push_back(cache_for(room, index, f, dtype));
-  }
-  hf_eagle31_rows::Weights head_weights;
-  int64_t vocabulary = 0;
-  if (head != -1) {
-    head_weights = std::move(hf_eagle31_rows::held_weights({head})[0]);
-    vocabulary = hf_eagle31_rows::features_of(head_weights.weights, H, dtype, "hf_eagle31_rows::step", head);
-  }
+  for (int64_t index = 0; index < layers; ++index) caches.push_back(cache_for(room, index, f, dtype));
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor features = at::empty({B * n, static_cast<int64_t>(capture.size()) * H}, x.options());
-  at::Tensor logits = at::empty({B * n, vocabulary}, x.options());
-  const hf_eagle31_rows::Weights* held = head != -1 ? &head_weights : nullptr;
-  if (dtype == at::kFloat) layers_in_team<float>(f, weights, norms, eps, caches, c, s, capture, features, held, logits);
-  else layers_in_team<at::BFloat16>(f, weights, norms, eps, caches, c, s, capture, features, held, logits);
+  at::Tensor logits = at::empty({B * n, weights->vocabulary}, x.options());
+  const hf_eagle31_rows::Weights* held = head != -1 ? &weights->head : nullptr;
+  if (dtype == at::kFloat)
+    layers_in_team<float>(f, weights->layers, norms, eps, caches, c, s, capture, features, held, logits);
+  else layers_in_team<at::BFloat16>(f, weights->layers, norms, eps, caches, c, s, capture, features, held, logits);
   return {f.hs[0].view({B, n, H}), features.view({B, n, static_cast<int64_t>(capture.size()) * H}),
-          logits.to(at::kFloat).view({B, n, vocabulary})};
+          logits.to(at::kFloat).view({B, n, weights->vocabulary})};
 }
 
 // The drafter's one layer and final norm over this thread's residual stream, its input (`input` [B n, 2 H], this
@@ -543,6 +589,7 @@ TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
         "Tensor? mask, float scale, int heads, int kv_heads, int intermediate, int[] capture, int ways, int head) -> "
         "(Tensor, Tensor, Tensor)");
   m.impl("step", c10::DispatchKey::CPU, TORCH_FN(step));
+  m.def("release(int room) -> ()", release);
   m.def("draft_step(Tensor embeds, Tensor hidden, bool project, int[] products, Tensor[] norms, float[] eps, "
         "bool norm_before_residual, bool norm_output, Tensor cos, Tensor sin, Tensor keys, Tensor values, "
         "Tensor columns, Tensor mask, Tensor logit_rows, float scale, int heads, int kv_heads, int intermediate, "
