@@ -40,6 +40,7 @@ MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 MAP_FAILED = ctypes.c_void_p(-1).value
 GAP = 4096  # tensors nearer than this are one span: between them lie an allocator's few bytes of bookkeeping
 REFUSALS = 8  # ranges refused in a row as memory Linux never collapses before the rest of a span is given up
+CHUNK = 64 << 20  # bytes of a file's mapping moved onto anonymous memory at a time (`_off_file`)
 
 
 def collapse(tensors: Iterable[torch.Tensor]) -> int:
@@ -93,28 +94,37 @@ _MOVING = threading.Lock()  # two calls moving one mapping would copy it twice
 
 def _off_file(start: int, end: int) -> bool:
     """Move every private file mapping that holds part of `[start, end)` onto anonymous memory at the same addresses,
-    with the same protection; whether any moved. Shared mappings (writes reach the file) stay."""
-    libc = _libc()
+    with the same protection, `CHUNK` bytes at a time; whether any moved. Shared mappings (writes reach the file)
+    stay. Why a chunk at a time: a whole mapping copied before it replaced the file's pages held both, twice a model's
+    size, where a chunk's copy replaces its part of the file at once."""
     moved = False
     with _MOVING:
         for first, last, protection in _file_mappings(start, end):
-            size = last - first
-            spare = libc.mmap(None, size + HUGE_PAGE, mmap.PROT_READ | mmap.PROT_WRITE,
-                              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-            if spare in (None, MAP_FAILED):
-                continue
-            copy = spare + (first - spare) % HUGE_PAGE  # the addresses' place in a huge page kept: PMDs move whole
-            if copy > spare:
-                libc.munmap(spare, copy - spare)
-            libc.munmap(copy + size, spare + HUGE_PAGE - copy)
-            libc.madvise(copy, size, MADV_HUGEPAGE)
-            ctypes.memmove(copy, first, size)
-            libc.mprotect(copy, size, protection)
-            if libc.mremap(copy, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, first) == first:
-                moved = True
-            else:
-                libc.munmap(copy, size)
+            while first < last:  # chunks end at multiples of CHUNK: huge-page-aligned
+                chunk_end = min(last, (first // CHUNK + 1) * CHUNK)
+                moved = _move(first, chunk_end, protection) or moved
+                first = chunk_end
     return moved
+
+
+def _move(first: int, last: int, protection: int) -> bool:
+    """`[first, last)` of a file's private mapping replaced by an anonymous copy on huge pages (`mremap`)."""
+    libc, size = _libc(), last - first
+    spare = libc.mmap(None, size + HUGE_PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                      -1, 0)
+    if spare in (None, MAP_FAILED):
+        return False
+    copy = spare + (first - spare) % HUGE_PAGE  # the addresses' place in a huge page kept: PMDs move whole
+    if copy > spare:
+        libc.munmap(spare, copy - spare)
+    libc.munmap(copy + size, spare + HUGE_PAGE - copy)
+    libc.madvise(copy, size, MADV_HUGEPAGE)
+    ctypes.memmove(copy, first, size)
+    libc.mprotect(copy, size, protection)
+    if libc.mremap(copy, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, first) == first:
+        return True
+    libc.munmap(copy, size)
+    return False
 
 
 def _file_mappings(start: int, end: int) -> list[tuple[int, int, int]]:
