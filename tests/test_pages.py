@@ -5,6 +5,9 @@ import ctypes
 import errno
 import mmap
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -118,6 +121,29 @@ def test_a_files_shared_mapping_is_left_as_it_is(tmp_path, monkeypatch):
         monkeypatch.setattr(pages, "_madvise", lambda: lambda *args: asked.append(args) or advise(*args))
     assert pages.collapse([weight]) == 0 and torch.equal(weight, values) and on_file(weight)
     assert len(asked) <= pages.REFUSALS
+
+
+def test_a_mapping_past_its_files_end_stays(tmp_path):
+    """A file cut short after it was mapped: its pages past the end cannot be read (SIGBUS), so its mapping stays
+    (in a process of its own: a read there would end the process)."""
+    code = textwrap.dedent(f"""
+        import mmap, os, torch
+        from hf_eagle31.backends.cpu import pages
+        path = {str(tmp_path / "weights.bin")!r}
+        with open(path, "wb") as file:
+            file.write(os.urandom(24 << 20))
+        with open(path, "rb+") as file:
+            memory = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            file.truncate(8 << 20)
+        weight = torch.frombuffer(memory, dtype=torch.uint8)[: 8 << 20]
+        done = pages.collapse([weight])
+        for line in open("/proc/self/maps"):
+            first, last = (int(address, 16) for address in line.split()[0].split("-"))
+            if first <= weight.data_ptr() < last:
+                print(done, line.split()[4] != "0")  # still the file's mapping
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["0", "True"], done.stderr[-2000:]
 
 
 def test_a_file_stays_where_linux_collapses_nothing(tmp_path, monkeypatch):

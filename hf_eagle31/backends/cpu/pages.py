@@ -12,12 +12,12 @@ ranges). Where it cannot (an older kernel, huge pages turned off, another system
 
 Weights loaded from safetensors in the checkpoint's own dtype (transformers' default `dtype="auto"`, or fp32 from an
 fp32 file) are the file itself, mapped privately into memory: 4 KiB pages Linux does not collapse, read at the 4 KiB
-pages' rate. Such a mapping is first moved onto anonymous memory at the same addresses (`_off_file`: copied into a
-new mapping on huge pages, which then replaces it whole, `mremap`), the same values at the same addresses: what
-reads it meanwhile reads the same bytes. SmolLM2 fp32 loaded from safetensors twice, one copy moved, `fast_decoding`
-on each in turn (rounds of 32 tokens): a token 1.026x and 1.029x as fast (medians of 38 and 33 rounds at 32-36 GB/s),
-1.27x (7 rounds) and 1.05x and 1.31x (2) above 50 GB/s. Once a mapping: 0.7-1.2 s for SmolLM2's 513 MB on that
-guest (the memory's first use), never again.
+pages' rate. Such a mapping is first moved onto anonymous memory at the same addresses (`_off_file`: copied 64 MiB at a
+time onto huge pages, each copy then put in its part's place, `mremap`), the same values at the same addresses: what
+reads it meanwhile reads the same bytes. SmolLM2 fp32 loaded from safetensors twice, one copy moved, `fast_decoding` on
+each in turn (rounds of 32 tokens): a token 1.026x and 1.029x as fast (medians of 38 and 33 rounds at 32-36 GB/s), 1.27x
+(7 rounds) and 1.05x and 1.31x (2) above 50 GB/s. Once a mapping: 0.7-1.2 s for SmolLM2's 513 MB on that guest (the
+memory's first use), never again.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def _move(first: int, last: int, protection: int) -> bool:
 
 def _file_mappings(start: int, end: int) -> list[tuple[int, int, int]]:
     """The private, readable, not executable mappings of a file (Linux's /proc/self/maps) overlapping `[start, end)`
-    and lying within the file (a page past its end cannot be read): their addresses and protection."""
+    and lying within the file, the one still at its path (a page past its end cannot be read): their addresses and
+    protection."""
     found = []
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -138,10 +139,11 @@ def _file_mappings(start: int, end: int) -> list[tuple[int, int, int]]:
             if inode == "0" or permissions[0] != "r" or permissions[2:] != "-p" or not (first < end and start < last):
                 continue
             try:
-                size = os.stat(path[0].rstrip("\n")).st_size if path else 0
+                file = os.stat(path[0].rstrip("\n")) if path else None
             except OSError:  # a file deleted or renamed since: its size unknown
                 continue
-            if int(offset, 16) + last - first <= -(-size // mmap.PAGESIZE) * mmap.PAGESIZE:
+            if file is not None and file.st_ino == int(inode) and \
+                    int(offset, 16) + last - first <= -(-file.st_size // mmap.PAGESIZE) * mmap.PAGESIZE:
                 found.append((first, last, mmap.PROT_READ | (mmap.PROT_WRITE if permissions[1] == "w" else 0)))
     return found
 
