@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_target
+from tiny_models import PROMPTS, make_target
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+import hf_eagle31
 from hf_eagle31.backends.cpu import pages
 from hf_eagle31.backends.cpu import products as cpu_products
 from hf_eagle31.backends.cpu.products import Products, can_pack
@@ -151,6 +153,24 @@ def test_a_file_stays_where_linux_collapses_nothing(tmp_path, monkeypatch):
     weight, _ = mapped(tmp_path / "weights.bin", 24 << 20, mmap.MAP_PRIVATE)
     monkeypatch.setattr(pages, "_collapses", lambda: False)
     assert pages.collapse([weight]) == 0 and on_file(weight)
+
+
+@pytest.mark.skipif(not collapsing() or not can_pack(make_target()),
+                    reason="Linux 6.1+ with huge pages, and the CPU backend (a CPU build with mkldnn)")
+def test_a_target_loaded_from_its_file_decodes_off_it(tmp_path):
+    """transformers maps a checkpoint loaded in its own dtype; the first `fast_decoding` call moves the weights off
+    the file: the same tokens as plain `generate`, every weight at its address with its values."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    target = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    before = {name: (weight.data_ptr(), weight.detach().clone()) for name, weight in target.named_parameters()}
+    assert all(on_file(weight) for weight in target.parameters())
+    plain = target.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=8)
+    fast = target.generate(PROMPTS[:1, :6], do_sample=False, max_new_tokens=8, custom_generate=hf_eagle31.fast_decoding)
+    assert torch.equal(fast, plain)
+    for name, weight in target.named_parameters():
+        assert not on_file(weight) and weight.data_ptr() == before[name][0] and torch.equal(weight, before[name][1])
 
 
 def test_nothing_is_asked_where_there_is_no_madvise(monkeypatch):
