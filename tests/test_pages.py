@@ -21,6 +21,9 @@ from hf_eagle31.backends.cpu import products as cpu_products
 from hf_eagle31.backends.cpu.products import Products, can_pack
 
 
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings (/proc/self/maps)")
+
+
 def collapsing() -> bool:
     """Whether this system moves memory onto huge pages in place: Linux 6.1 or later, huge pages not turned off."""
     if pages._madvise() is None:
@@ -113,6 +116,7 @@ def test_a_files_private_mapping_moves_onto_huge_pages_in_place(tmp_path, monkey
     assert pages.collapse([weight]) == done  # moved once: done again at once
 
 
+@linux
 def test_a_files_shared_mapping_is_left_as_it_is(tmp_path, monkeypatch):
     """Writes to a shared mapping reach the file: it stays, and after a few refusals the rest is not asked for
     (each generate call asks again)."""
@@ -125,6 +129,7 @@ def test_a_files_shared_mapping_is_left_as_it_is(tmp_path, monkeypatch):
     assert len(asked) <= pages.REFUSALS
 
 
+@linux
 def test_a_mapping_past_its_files_end_stays(tmp_path):
     """A file cut short after it was mapped: its pages past the end cannot be read (SIGBUS), so its mapping stays
     (in a process of its own: a read there would end the process)."""
@@ -148,6 +153,7 @@ def test_a_mapping_past_its_files_end_stays(tmp_path):
     assert done.returncode == 0 and done.stdout.split() == ["0", "True"], done.stderr[-2000:]
 
 
+@linux
 def test_a_file_stays_where_linux_collapses_nothing(tmp_path, monkeypatch):
     """An older kernel refuses every range: moving the file's mapping would copy it for nothing."""
     weight, _ = mapped(tmp_path / "weights.bin", 24 << 20, mmap.MAP_PRIVATE)
