@@ -116,6 +116,20 @@ def test_a_files_private_mapping_moves_onto_huge_pages_in_place(tmp_path, monkey
     assert pages.collapse([weight]) == done  # moved once: done again at once
 
 
+@pytest.mark.skipif(not collapsing(), reason="Linux 6.1+ with huge pages not turned off moves memory onto them")
+def test_a_long_move_is_announced_once(tmp_path, monkeypatch, caplog):
+    """Moving a large checkpoint pauses the first call (about 2 s a GB on a KVM guest): it says so, once."""
+    monkeypatch.setattr(pages, "ANNOUNCED", 16 << 20)
+    small, _ = mapped(tmp_path / "small.bin", 8 << 20, mmap.MAP_PRIVATE)
+    large, _ = mapped(tmp_path / "large.bin", 24 << 20, mmap.MAP_PRIVATE)
+    with caplog.at_level("WARNING", logger=pages.__name__):
+        collapsed([small])
+        assert not caplog.records
+        collapsed([large])
+        collapsed([large])
+    assert len(caplog.records) == 1 and "of weights mapped from their checkpoint file" in caplog.records[0].getMessage()
+
+
 @linux
 def test_a_files_shared_mapping_is_left_as_it_is(tmp_path, monkeypatch):
     """Writes to a shared mapping reach the file: it stays, and after a few refusals the rest is not asked for

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import logging
 import mmap
 import os
 import sys
@@ -41,6 +42,9 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 GAP = 4096  # tensors nearer than this are one span: between them lie an allocator's few bytes of bookkeeping
 REFUSALS = 8  # ranges refused in a row as memory Linux never collapses before the rest of a span is given up
 CHUNK = 64 << 20  # bytes of a file's mapping moved onto anonymous memory at a time (`_off_file`)
+ANNOUNCED = 1 << 30  # a move of at least this many bytes is announced: it pauses the first call a second or more
+
+logger = logging.getLogger(__name__)
 
 
 def collapse(tensors: Iterable[torch.Tensor]) -> int:
@@ -99,7 +103,12 @@ def _off_file(start: int, end: int) -> bool:
     size, where a chunk's copy replaces its part of the file at once."""
     moved = False
     with _MOVING:
-        for first, last, protection in _file_mappings(start, end):
+        mappings = _file_mappings(start, end)
+        size = sum(last - first for first, last, _ in mappings)
+        if size >= ANNOUNCED:
+            logger.warning("hf_eagle31: moving %.1f GB of weights mapped from their checkpoint file onto huge pages "
+                           "(once a model, about 2 s a GB)", size / 1e9)
+        for first, last, protection in mappings:
             while first < last:  # chunks end at multiples of CHUNK: huge-page-aligned
                 chunk_end = min(last, (first // CHUNK + 1) * CHUNK)
                 moved = _move(first, chunk_end, protection) or moved
