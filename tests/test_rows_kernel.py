@@ -53,10 +53,10 @@ def test_the_kernel_computes_torchs_product(rows, features, dtype, ways):
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_row_alone_gets_the_bits_it_gets_in_a_block(dtype):
-    """A decoding step multiplies one row and a verify block several: the kernel reads the weights in another order
-    for one row (one stream, rows_linear.cpp's `stream_rows`) but sums each output in the same order, so a token's
-    logits do not depend on whether it was verified alone or in a block; nor on how the block read the weights
-    (`ways`, choices measured per row count: routes.py)."""
+    """A decoding step multiplies one row and a verify block several: the kernel may read the weights in another
+    order for one row (one stream, rows_linear.cpp's `stream_rows`, or a few weight rows side by side) but sums each
+    output in the same order, so a token's logits do not depend on whether it was verified alone or in a block; nor
+    on how the row or the block read the weights (`ways`, choices measured per row count: routes.py)."""
     torch.manual_seed(0)
     x = torch.randn(16, 577).to(dtype)  # a tail of K past the vectors
     weights = [torch.randn(1000, 577).to(dtype), torch.randn(7, 577).to(dtype)]
@@ -67,7 +67,9 @@ def test_a_row_alone_gets_the_bits_it_gets_in_a_block(dtype):
         for ways in (0xFFFF, 0xFFFF << 16, 0xFFFF << 32, -1):
             assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias, ways), block)
         for row in (0, count - 1):
-            assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[row : row + 1], weights, bias), block[row : row + 1])
+            for ways in (0, 1, 1 << 16, (1 << 16) | 1):  # side by side or one stream, each with the L1 prefetch
+                alone = torch.ops.hf_eagle31_rows.linear(x[row : row + 1], weights, bias, ways)
+                assert torch.equal(alone, block[row : row + 1])
 
 
 @needs_kernel

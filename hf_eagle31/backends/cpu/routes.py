@@ -1,18 +1,18 @@
 """Which implementation multiplies how many rows: measured on this machine once, kept beside the kernel build.
 
 Why: which of the rows kernel (rows.py), torch's product (MKL) and oneDNN's product over its reordered copy of the
-weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at
-a fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does how
-the kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 8-16 rows
-on an AMD EPYC, 2-6 within a few percent either way, slower at one), whether 2-16 rows read one weight row at a time
-(bf16 2-8 rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast) and whether 7-16 rows go in groups of up
-to 6 (fp32 8-16 rows 1.2-1.3x faster there where the weights come from the cache, bf16 rows up to 10% slower),
-measured as implementations of their own ("rows_near", "rows_single", "rows_single_near", "rows_narrow",
-"rows_narrow_near") at 1-16 rows (7-16 for the groups, which are the same below). The first process that needs a
-dtype's routes times every implementation at every row count on a stream of weights of eight last-level caches
-(`workload`), from memory as a decoding step streams them, and writes the fastest per row count into the kernel's
-build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes
-read it. Delete the file to measure again.
+weights streams 1-16 rows fastest depends on the CPU and its libraries (MKL's one-row product streams the weights at a
+fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constant suits every machine. So does how the
+kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 8-16 rows on an
+AMD EPYC, 2-6 within a few percent either way, slower at one), whether 1-16 rows read one weight row at a time (bf16 2-8
+rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast; one row 1.04-1.12x there, 0.89-0.94x on an Intel
+Xeon) and whether 7-16 rows go in groups of up to 6 (fp32 8-16 rows 1.2-1.3x faster on the EPYC where the weights come
+from the cache, bf16 rows up to 10% slower), measured as implementations of their own ("rows_near", "rows_single",
+"rows_single_near", "rows_narrow", "rows_narrow_near") at 1-16 rows (7-16 for the groups, which are the same below). The
+first process that needs a dtype's routes times every implementation at every row count on a stream of weights of eight
+last-level caches (`workload`), from memory as a decoding step streams them, and writes the fastest per row count into
+the kernel's build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other
+processes read it. Delete the file to measure again.
 
 Past 16 rows (a prompt's prefill, a batch's verify blocks) the same holds: the kernel, which rereads the weights
 for every 16 rows, beat MKL's product up to a few hundred rows on an AMD EPYC and lost past them, and oneDNN's bf16
@@ -249,10 +249,9 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
         for index in range(len(COUNTS)):
             for name in candidates:
                 count = COUNTS[index]
-                if _way_of(name) and (count > MAX_ROWS or count == 1 and "single" in name or
-                                      count < NARROW_FROM and "narrow" in name):
-                    continue  # past 16 rows groups take their counts' bits; one row is always read a row at a time;
-                    # fewer than NARROW_FROM rows are one group either way
+                if _way_of(name) and (count > MAX_ROWS or count < NARROW_FROM and "narrow" in name):
+                    continue  # past 16 rows groups take their counts' bits; fewer than NARROW_FROM rows are one
+                    # group either way
                 for slot, (weight, packed) in enumerate(streams[index]):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
                     best[name][index][slot] = min(best[name][index][slot], taken)

@@ -7,18 +7,21 @@
 // 16 rows against one weight row loaded 17 vectors for 16 multiply-adds, and its input rows (16 x K floats) did not
 // fit L1, so it ran far below the memory's rate. Rows further on are prefetched into L2 while these compute: the
 // hardware prefetcher alone leaves the memory idle during the multiplications. Into L2, not L1, and 16 rows
-// ahead: prefetched weights then do not evict the input rows from L1. One input row (a decoding step) reads the weight
-// rows one after another instead, a single stream the hardware prefetcher follows, with a light prefetch further
-// ahead: W rows read side by side are W short streams it barely catches (4-12% slower on an AMD EPYC).
+// ahead: prefetched weights then do not evict the input rows from L1.
 //
-// `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), three bits
-// for r rows: bit r - 1 (`near`) also prefetches the weights a few lines ahead into L1, so that loads wait less (on
-// an AMD EPYC 8-16 rows 5-20% faster, 2-6 rows within a few percent either way, one row slower); bit 16 + r - 1
-// (`single`) reads one weight row at a time (W = 1) as one row does, a single stream, reloading the input rows from
-// L1 for every weight vector (on an AMD EPYC 2-8 bf16 rows 1.2-1.3x faster; 2-3 fp32 rows of 576 features 0.7-0.85x
-// as fast, 4 rows 1.15x); bit 32 + r - 1 (`narrow`) multiplies 7-16 rows in groups of up to 6 against W = 4 weight
-// rows, not of up to 8 against W = 3 (on an AMD EPYC 8-16 fp32 rows 1.2-1.3x faster where the weights come from the
-// cache, bf16 rows up to 10% slower).
+// `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), three bits for
+// r rows: bit r - 1 (`near`) also prefetches the weights a few lines ahead into L1, so that loads wait less (on an AMD
+// EPYC 8-16 rows 5-20% faster, 2-6 rows within a few percent either way, one row slower); bit 16 + r - 1 (`single`)
+// reads one weight row at a time (W = 1), a single stream, reloading the input rows from L1 for every weight vector (on
+// an AMD EPYC 2-8 bf16 rows 1.2-1.3x faster; 2-3 fp32 rows of 576 features 0.7-0.85x as fast, 4 rows 1.15x). One input
+// row (a decoding step) read that way reads the weight rows one after another (`stream_rows`), a stream the hardware
+// prefetcher follows, with a light prefetch further ahead: on an AMD EPYC 4-12% faster than W rows side by side, W
+// short streams it barely catches; on an Intel Xeon (Sapphire Rapids) slower, where each output's sum, one chain of
+// multiply-adds, waits on the last (vdpbf16ps: 8 cycles there, twice an fp32 multiply-add) and W rows are W chains side
+// by side: a weight streamed 1.15x faster side by side in fp32 and 1.35x in bf16, and SmolLM2's decoding step ran 1.07x
+// and 1.12x faster. Bit 32 + r - 1 (`narrow`) multiplies 7-16 rows in groups of up to 6 against W = 4 weight rows, not
+// of up to 8 against W = 3 (on an AMD EPYC 8-16 fp32 rows 1.2-1.3x faster where the weights come from the cache, bf16
+// rows up to 10% slower).
 // Every way sums each output in the same order, so all give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -151,7 +154,10 @@ void group(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w,
            int64_t ldo) {
   constexpr int W = SINGLE ? 1 : 4, LONG = SINGLE ? 1 : NARROW ? 4 : 3;  // LONG: W for 7 rows or more
   switch (M) {
-    case 1: stream_rows<E, L1>(x, K, w, bias, n, out); break;  // one row: always a single stream
+    case 1:
+      if constexpr (SINGLE) stream_rows<E, L1>(x, K, w, bias, n, out);
+      else rows_of<E, L1, W, O, 1>(x, K, w, bias, n, out, ldo);
+      break;
     case 2: rows_of<E, L1, W, O, 2>(x, K, w, bias, n, out, ldo); break;
     case 3: rows_of<E, L1, W, O, 3>(x, K, w, bias, n, out, ldo); break;
     case 4: rows_of<E, L1, W, O, 4>(x, K, w, bias, n, out, ldo); break;
