@@ -63,13 +63,32 @@ def test_a_row_alone_gets_the_bits_it_gets_in_a_block(dtype):
     bias = torch.randn(1007).to(dtype)
     for count in (2, 7, 9, 13, 16):
         block = torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias)
-        # with the L1 prefetch; a weight row at a time; in groups of up to 6 (two or three); all three
-        for ways in (0xFFFF, 0xFFFF << 16, 0xFFFF << 32, -1):
+        # with the L1 prefetch; a weight row at a time; in groups of up to 6 (two or three); all three (not AMX's
+        # tiles, which sum in an order of their own: test_amx_gives_a_row_the_same_bits_in_every_block)
+        for ways in (0xFFFF, 0xFFFF << 16, 0xFFFF << 32, (1 << routes.AMX_BITS) - 1):
             assert torch.equal(torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias, ways), block)
         for row in (0, count - 1):
             for ways in (0, 1, 1 << 16, (1 << 16) | 1):  # side by side or one stream, each with the L1 prefetch
                 alone = torch.ops.hf_eagle31_rows.linear(x[row : row + 1], weights, bias, ways)
                 assert torch.equal(alone, block[row : row + 1])
+
+
+@pytest.mark.skipif(not rows.amx_kernel(), reason="AMX's tiles need an Intel CPU with AMX-BF16")
+def test_amx_gives_a_row_the_same_bits_in_every_block():
+    """2-16 bf16 rows on AMX's tiles (a way of their own, `routes.AMX_BITS`) sum each output in AMX's order, not the
+    vector kernel's: as close to the exact sums, and a row's outputs are the same bits in a block of any size, so a
+    token's logits do not depend on the size of the block it was verified in."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 576).to(torch.bfloat16)
+    weights = [torch.randn(1000, 576).to(torch.bfloat16), torch.randn(7, 576).to(torch.bfloat16)]  # a tail of 7
+    bias = torch.randn(1007).to(torch.bfloat16)
+    exact = F.linear(x.float(), torch.cat(weights).float(), bias.float())
+    amx = sum(1 << (routes.AMX_BITS + count - 2) for count in range(2, MAX_ROWS + 1))
+    blocks = {count: torch.ops.hf_eagle31_rows.linear(x[:count], weights, bias, amx) for count in range(2, 17)}
+    for count, block in blocks.items():  # each output rounded once to bf16, as the vector kernel's
+        torch.testing.assert_close(block.float(), exact[:count], atol=1e-3 * 576 ** 0.5, rtol=2 ** -8)
+        assert torch.equal(block[:2], blocks[2])
+    assert not torch.equal(blocks[16], torch.ops.hf_eagle31_rows.linear(x, weights, bias, 0))  # AMX's own order
 
 
 @needs_kernel
@@ -296,6 +315,14 @@ def test_the_build_is_keyed_by_source_compiler_torch_and_cpu_not_by_environment(
         with monkeypatch.context() as patch:
             patch.setattr(owner, name, value)
             assert rows.build_key() != key, name
+
+
+def test_amx_flags_go_only_to_a_compiler_that_takes_them(monkeypatch):
+    """AMX's flags on a compiler without them (GCC before 11) would fail the whole build: without them the kernel
+    builds, its AMX way left out."""
+    assert rows._accepts("false", rows.AMX_FLAGS) is False  # a compiler that fails takes none
+    monkeypatch.setattr(rows, "_accepts", lambda compiler, flags: False)
+    assert not set(rows.AMX_FLAGS) & set(rows._flags()) and "-O3" in rows._flags()
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the kernel builds on AVX-512 only")

@@ -6,13 +6,15 @@ fraction of the memory's rate on AMD CPUs and near it on Intel's), so no constan
 kernel reads the weights (its `ways`, rows_linear.cpp): whether it also prefetches into L1 (faster at 8-16 rows on an
 AMD EPYC, 2-6 within a few percent either way, slower at one), whether 1-16 rows read one weight row at a time (bf16 2-8
 rows 1.2-1.3x faster on the same CPU, fp32 rows 0.7-1.15x as fast; one row 1.04-1.12x there, 0.89-0.94x on an Intel
-Xeon) and whether 7-16 rows go in groups of up to 6 (fp32 8-16 rows 1.2-1.3x faster on the EPYC where the weights come
-from the cache, bf16 rows up to 10% slower), measured as implementations of their own ("rows_near", "rows_single",
-"rows_single_near", "rows_narrow", "rows_narrow_near") at 1-16 rows (7-16 for the groups, which are the same below). The
-first process that needs a dtype's routes times every implementation at every row count on a stream of weights of eight
-last-level caches (`workload`), from memory as a decoding step streams them, and writes the fastest per row count into
-the kernel's build folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other
-processes read it. Delete the file to measure again.
+Xeon), whether 7-16 rows go in groups of up to 6 (fp32 8-16 rows 1.2-1.3x faster on the EPYC where the weights come from
+the cache, bf16 rows up to 10% slower) and whether 2-16 bf16 rows go to AMX's tiles where the CPU has them (on an Intel
+Xeon 1.1-1.27x one row's time, where the vector kernel took up to 3x and oneDNN's AMX product 1.2-1.28x), measured as
+implementations of their own ("rows_near", "rows_single", "rows_single_near", "rows_narrow", "rows_narrow_near",
+"rows_amx") at 1-16 rows (7-16 for the groups, which are the same below; 2-16 for AMX). The first process that needs a
+dtype's routes times every implementation at every row count on a stream of weights of eight last-level caches
+(`workload`), from memory as a decoding step streams them, and writes the fastest per row count into the kernel's build
+folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes read it.
+Delete the file to measure again.
 
 Past 16 rows (a prompt's prefill, a batch's verify blocks) the same holds: the kernel, which rereads the weights
 for every 16 rows, beat MKL's product up to a few hundred rows on an AMD EPYC and lost past them, and oneDNN's bf16
@@ -42,11 +44,13 @@ from hf_eagle31.backends.cpu import rows
 from hf_eagle31.backends.cpu.rows import MAX_ROWS
 
 # the kernel, its weights read side by side or a row at a time ("single"), or 7-16 rows in groups of up to 6
-# ("narrow"), without and with its L1 prefetch ("near"); F.linear; oneDNN's product over its reordered copy
-KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near", "rows_narrow", "rows_narrow_near")
+# ("narrow"), without and with its L1 prefetch ("near"), or 2-16 bf16 rows on AMX's tiles ("amx"); F.linear; oneDNN's
+# product over its reordered copy
+KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near", "rows_narrow", "rows_narrow_near", "rows_amx")
 IMPLEMENTATIONS = (*KERNEL, "torch", "onednn")
 SINGLE_BITS = 16  # `ways`: bit r - 1 for r rows near, bit SINGLE_BITS + r - 1 single (rows_linear.cpp)
 NARROW_BITS = 32  # bit NARROW_BITS + r - 1: r rows in groups of up to 6 (rows_linear.cpp)
+AMX_BITS = 48  # bit AMX_BITS + r - 2: 2-16 rows on AMX (rows_linear.cpp; 16 rows' bit is the int64's last but one)
 NARROW_FROM = 7  # the fewest rows grouped otherwise when narrow: below, the same product as "rows" (not timed)
 REPEATS = 5  # timings of each implementation at each row count: the fastest counts (the others met other work)
 # [out, in]: a 1B decoder's and a 135M decoder's up and down projections, in turn: which way reads fastest depends
@@ -108,7 +112,8 @@ def _way_bits(chosen: tuple[str, ...]) -> int:
 def _way_of(how: str) -> int:
     """An implementation's bits for one row count, at the count's own bit (shifted there by the caller)."""
     return (1 if how.endswith("_near") else 0) | ((1 << SINGLE_BITS) if how.startswith("rows_single") else 0) | \
-        ((1 << NARROW_BITS) if how.startswith("rows_narrow") else 0)
+        ((1 << NARROW_BITS) if how.startswith("rows_narrow") else 0) | \
+        ((1 << (AMX_BITS - 1)) if how == "rows_amx" else 0)  # at r rows' index r - 1: bit AMX_BITS + r - 2
 
 
 def serves_every_count(dtype: torch.dtype) -> bool:
@@ -145,9 +150,11 @@ def routes(dtype: torch.dtype) -> tuple[str, ...]:
 def available(dtype: torch.dtype) -> tuple[str, ...]:
     """The implementations that can multiply `dtype` here."""
     kernel = rows.rows_kernel() and (dtype == torch.float32 or (dtype == torch.bfloat16 and rows.bf16_kernel()))
+    amx = kernel and dtype == torch.bfloat16 and rows.amx_kernel()
     onednn = torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    return tuple(name for name, usable in zip(IMPLEMENTATIONS, (*(kernel,) * len(KERNEL), True, onednn)) if usable)
+    usable = (*(kernel,) * (len(KERNEL) - 1), amx, True, onednn)
+    return tuple(name for name, usable in zip(IMPLEMENTATIONS, usable) if usable)
 
 
 def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[str, ...]:
@@ -249,9 +256,10 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[dict[str, 
         for index in range(len(COUNTS)):
             for name in candidates:
                 count = COUNTS[index]
-                if _way_of(name) and (count > MAX_ROWS or count < NARROW_FROM and "narrow" in name):
+                if _way_of(name) and (count > MAX_ROWS or count < NARROW_FROM and "narrow" in name or
+                                      count == 1 and name == "rows_amx"):
                     continue  # past 16 rows groups take their counts' bits; fewer than NARROW_FROM rows are one
-                    # group either way
+                    # group either way; one row does not go to AMX
                 for slot, (weight, packed) in enumerate(streams[index]):
                     taken = _time(name, inputs[index][weight.shape[1]], weight, packed)
                     best[name][index][slot] = min(best[name][index][slot], taken)
@@ -305,7 +313,8 @@ def _time(name: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor
     """Seconds `name` takes to multiply `x` by `weight` (`packed`: oneDNN's copy of it)."""
     begun = time.perf_counter()
     if name in KERNEL:
-        torch.ops.hf_eagle31_rows.linear(x, [weight], None, _way_of(name) * ((1 << MAX_ROWS) - 1))
+        first = 1 if name == "rows_amx" else 0  # one row's bit of the AMX way is another way's
+        torch.ops.hf_eagle31_rows.linear(x, [weight], None, sum(_way_of(name) << i for i in range(first, MAX_ROWS)))
     elif name == "onednn":
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     else:

@@ -43,6 +43,7 @@ MAX_ROWS = 16  # the row counts of verify blocks, each measured (routes.py); a p
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "rows_linear.cpp", "rows_attention.cpp", "rows_step.cpp"))
 HEADER = Path(__file__).with_name("rows.h")  # what one source calls in another: part of the build key too
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # where the CPU and the compiler have them: AMX's tiles (rows_linear.cpp)
 LIBRARY = "hf_eagle31_rows.so"
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,13 @@ def bf16_kernel() -> bool:
     return rows_kernel() and torch.ops.hf_eagle31_rows.bf16()
 
 
+@functools.cache
+def amx_kernel() -> bool:
+    """Whether the loaded kernel multiplies bf16 blocks on AMX's tiles too (built where the CPU has them, and Linux
+    lets the process use them)."""
+    return bf16_kernel() and torch.ops.hf_eagle31_rows.amx()
+
+
 @torch.compiler.assume_constant_result  # traced (`lean._attention`), its answer is a constant of the graph
 def attends(head_dim: int) -> bool:
     """Whether the loaded library's attention (`torch.ops.hf_eagle31_rows.attention`, rows_attention.cpp) takes
@@ -112,7 +120,20 @@ def _compiler() -> str:
 
 def _flags() -> list[str]:
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", *(["-mavx512bf16"] if bf16 else []), "-fopenmp"]
+    amx = bf16 and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() and \
+        _accepts(_compiler(), AMX_FLAGS)
+    return ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", *(["-mavx512bf16"] if bf16 else []),
+            *(AMX_FLAGS if amx else []), "-fopenmp"]
+
+
+@functools.cache
+def _accepts(compiler: str, flags: tuple[str, ...]) -> bool:
+    """Whether `compiler` knows `flags` (AMX's need GCC 11 or clang 12): without them the kernel builds still."""
+    try:
+        return subprocess.run([compiler, *flags, "-E", "-x", "c++", "-"], input="", capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _cpu() -> str:

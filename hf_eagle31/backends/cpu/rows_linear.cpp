@@ -30,8 +30,12 @@
 
 #include "rows.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -196,6 +200,71 @@ void group(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w,
 
 constexpr int SINGLE_BITS = 16;  // bit SINGLE_BITS + r - 1 of `ways`: r rows read one weight row at a time
 constexpr int NARROW_BITS = 32;  // bit NARROW_BITS + r - 1: r rows in groups of up to 6
+constexpr int AMX_BITS = 48;     // bit AMX_BITS + r - 2: 2-16 bf16 rows on AMX's tiles (`amx_rows`)
+
+#ifdef __AMX_BF16__
+// AMX's tile configuration (palette 1): tile 0 the sums [rows x M] fp32, tile 1 the weights [rows x 32] bf16, tile 2
+// the input rows [16 pairs x M] of bf16 pairs.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure(int64_t rows, int64_t M) {
+  TileConfig config;
+  config.rows[0] = rows, config.colsb[0] = M * 4;
+  config.rows[1] = rows, config.colsb[1] = 64;
+  config.rows[2] = 16, config.colsb[2] = M * 4;
+  _tile_loadconfig(&config);
+}
+
+// M bf16 input rows against `n` weight rows on AMX, 16 weight rows a tile: the sums of each output in AMX's order
+// (32 products a step, in pairs), not the vector kernel's, so its bits differ from the other ways'. Why: on an Intel
+// Xeon a verify block of 6-16 bf16 rows is several times the multiply-adds the vector units do at the memory's rate,
+// and the tiles do them at it. K a multiple of 32 (`amx_serves`).
+template <class O>
+void amx_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, const float* bias, int64_t n,
+              O* out, int64_t ldo) {
+  thread_local std::vector<uint32_t> packed;  // [K / 32][16][M] pairs: tile 2's rows for each 32 elements of K
+  packed.resize(K / 2 * M);
+  const auto* pairs = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t pair = 0; pair < K / 2; ++pair) packed[pair * M + m] = pairs[m * (K / 2) + pair];
+  alignas(64) float sums[16 * 16];
+  int64_t configured = -1;
+  for (int64_t row = 0; row < n; row += 16) {
+    const int64_t rows = std::min<int64_t>(16, n - row);
+    if (rows != configured) configure(rows, M), configured = rows;
+    const at::BFloat16* block = w + row * K;
+    _tile_zero(0);
+    for (int64_t k = 0; k < K; k += 32) {
+      // the next block's lines (16 weight rows, contiguous), spread over this block's steps
+      const char* next = reinterpret_cast<const char*>(block + 16 * K) + k * 32;
+#pragma GCC unroll 16
+      for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
+      _tile_loadd(1, block + k, K * 2);
+      _tile_loadd(2, packed.data() + k / 2 * M, M * 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, sums, M * 4);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t m = 0; m < M; ++m)
+        out[m * ldo + row + r] = static_cast<O>(sums[r * M + m] + (bias ? bias[row + r] : 0.f));
+  }
+  _tile_release();
+}
+#endif
+
+// Whether AMX multiplies here: built for it, and Linux lets this process use its tiles (asked once).
+bool amx_kernel() {
+#ifdef __AMX_BF16__
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ready;
+#else
+  return false;
+#endif
+}
 
 // `group` in groups of up to 6 rows where `narrow`, else of up to 8.
 template <class E, bool L1, bool SINGLE, class O>
@@ -216,6 +285,13 @@ void rows(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, 
     const bool narrow = (ways >> (NARROW_BITS + count - 1)) & 1;
     const auto* xm = x + m * K;
     auto* om = out + m * ldo;
+#ifdef __AMX_BF16__
+    if constexpr (std::is_same_v<E, BF16>)
+      if (count > 1 && ((ways >> (AMX_BITS + count - 2)) & 1) && K % 32 == 0 && amx_kernel()) {
+        amx_rows(xm, count, K, w, bias, n, om, ldo);
+        continue;
+      }
+#endif
     if (near && single) narrow_or_wide<E, true, true>(narrow, xm, count, K, w, bias, n, om, ldo);
     else if (near) narrow_or_wide<E, true, false>(narrow, xm, count, K, w, bias, n, om, ldo);
     else if (single) narrow_or_wide<E, false, true>(narrow, xm, count, K, w, bias, n, om, ldo);
@@ -412,6 +488,7 @@ TORCH_LIBRARY(hf_eagle31_rows, m) {
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(rows_linear));
   m.impl("linear", c10::DispatchKey::Meta, TORCH_FN(rows_linear_shape));
   m.def("bf16() -> bool", [] { return bf16_kernel(); });
+  m.def("amx() -> bool", [] { return amx_kernel(); });
   m.def("hold(int[] keys, int[] counts, Tensor[] weights, Tensor?[] biases) -> ()", hold);
   m.def("product(Tensor x, int key, int out_features, int ways) -> Tensor");
   m.impl("product", c10::DispatchKey::CPU, TORCH_FN(hf_eagle31_rows::product));
