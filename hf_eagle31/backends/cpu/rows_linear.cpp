@@ -9,7 +9,7 @@
 // hardware prefetcher alone leaves the memory idle during the multiplications. Into L2, not L1, and 16 rows
 // ahead: prefetched weights then do not evict the input rows from L1.
 //
-// `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), three bits for
+// `ways` says, per row count, how a group of that many rows reads (measured on the machine: routes.py), four bits for
 // r rows: bit r - 1 (`near`) also prefetches the weights a few lines ahead into L1, so that loads wait less (on an AMD
 // EPYC 8-16 rows 5-20% faster, 2-6 rows within a few percent either way, one row slower); bit 16 + r - 1 (`single`)
 // reads one weight row at a time (W = 1), a single stream, reloading the input rows from L1 for every weight vector (on
@@ -21,8 +21,8 @@
 // by side: a weight streamed 1.15x faster side by side in fp32 and 1.35x in bf16, and SmolLM2's decoding step ran 1.07x
 // and 1.12x faster. Bit 32 + r - 1 (`narrow`) multiplies 7-16 rows in groups of up to 6 against W = 4 weight rows, not
 // of up to 8 against W = 3 (on an AMD EPYC 8-16 fp32 rows 1.2-1.3x faster where the weights come from the cache, bf16
-// rows up to 10% slower).
-// Every way sums each output in the same order, so all give the same bits.
+// rows up to 10% slower). Bit 48 + r - 2 multiplies 2-16 bf16 rows on AMX's tiles (`amx_rows`).
+// Every way but AMX's sums each output in the same order, so all give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -222,7 +222,7 @@ void configure(int64_t rows, int64_t M) {
 // M bf16 input rows against `n` weight rows on AMX, 16 weight rows a tile: the sums of each output in AMX's order
 // (32 products a step, in pairs), not the vector kernel's, so its bits differ from the other ways'. Why: on an Intel
 // Xeon a verify block of 6-16 bf16 rows is several times the multiply-adds the vector units do at the memory's rate,
-// and the tiles do them at it. K a multiple of 32 (`amx_serves`).
+// and the tiles do them at it. K a multiple of 32 (`rows` sends other weights to the vector kernel).
 template <class O>
 void amx_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, const float* bias, int64_t n,
               O* out, int64_t ldo) {
