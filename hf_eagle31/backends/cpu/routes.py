@@ -157,8 +157,8 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     amx = kernel and dtype == torch.bfloat16 and rows.amx_kernel()
     onednn = torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    usable = (*(kernel,) * (len(KERNEL) - 1), amx, True, onednn)
-    return tuple(name for name, usable in zip(IMPLEMENTATIONS, usable) if usable)
+    usable = {**dict.fromkeys(KERNEL, kernel), "rows_amx": amx, "torch": True, "onednn": onednn}
+    return tuple(name for name in IMPLEMENTATIONS if usable[name])
 
 
 def _kept_or_measured(dtype: torch.dtype, candidates: tuple[str, ...]) -> tuple[str, ...]:
