@@ -466,3 +466,30 @@ def test_verify_cost_study_measures_both_paths_against_one_plain_step(tmp_path, 
     assert all(0 < split["forward"] <= split["level"] for split in saved["draft_level_seconds"].values())
     assert (out / "verify_cost_paths.png").exists()
     assert "| default | 1.00 |" in capsys.readouterr().out  # every ratio is over the default path's own t(1)
+
+
+def test_vllm_rounds_compare_each_round_and_take_the_median(tmp_path, capsys):
+    """examples/vllm_cpu/compare.py --rounds: each of ours over each of vLLM's within a round (hand-computed), the
+    median of those ratios, a run missing from a round left out."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "vllm_cpu" / "compare.py"
+    spec = importlib.util.spec_from_file_location("vllm_compare", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    speeds = [{"ours_tree": 60.0, "vllm_eagle": 40.0, "vllm_plain": 30.0},
+              {"ours_tree": 66.0, "vllm_eagle": 40.0, "vllm_plain": 20.0},
+              {"ours_tree": 50.0, "vllm_eagle": 40.0}]
+    folders = []
+    for i, runs in enumerate(speeds):
+        folder = tmp_path / f"round{i}"
+        folder.mkdir()
+        for run, tokens_per_s in runs.items():
+            (folder / f"{run}.json").write_text(json.dumps({"summary": {"tokens_per_s": tokens_per_s}}))
+        folders.append(str(folder))
+    compare.rounds(folders)
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["ours_tree", "60.0", "66.0", "50.0", "60.0"] in lines
+    assert ["vllm_plain", "30.0", "20.0", "-", "25.0"] in lines
+    assert ["ours_tree", "/", "vllm_eagle", "1.50", "1.65", "1.25", "median", "1.50"] in lines  # the mean: 1.47
+    assert ["ours_tree", "/", "vllm_plain", "2.00", "3.30", "median", "2.65"] in lines

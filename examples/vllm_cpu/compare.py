@@ -1,11 +1,19 @@
 """Put run_ours.py's and run_vllm.py's reports side by side: acceptance, per-position counts, tokens/s, and
-whether the two engines produced the same token ids on every question. Standard library only: any python.
+whether the two engines produced the same token ids on every question; or, with `--rounds`, the tokens/s of
+rounds run in turn and each of our runs over each of vLLM's, round by round and their median. Standard library
+only: any python.
 
     python examples/vllm_cpu/compare.py OURS.json VLLM.json [OURS.json VLLM.json ...]
+    python examples/vllm_cpu/compare.py --rounds ROUND_DIR [ROUND_DIR ...]
+
+Why rounds: on a shared VM the memory's rate moves by more than the engines differ (one configuration run twice
+in a round moved by up to 25%), so a ratio holds between runs made close together, and one round proves little.
 """
 
 import json
+import statistics
 import sys
+from pathlib import Path
 
 
 def main(paths: list[str]) -> None:
@@ -30,9 +38,32 @@ def main(paths: list[str]) -> None:
                       f" | {b['drafts']:4} drafts {b['per_position']} end {end(b):+d}")
 
 
+def rounds(folders: list[str]) -> None:
+    """Each folder one round: the reports in it (`*.json`, named by run), every round running the same runs in
+    turn. Prints tokens/s per run and round, then each `ours*` run over each `vllm*` run per round, and the median."""
+    speed = [{path.stem: json.load(open(path))["summary"]["tokens_per_s"] for path in sorted(Path(f).glob("*.json"))}
+             for f in folders]
+    runs = sorted(set().union(*speed))
+    print(f"{'tokens/s':24}" + "".join(f"{f'round {i + 1}':>10}" for i in range(len(folders))) + f"{'median':>10}")
+    for run in runs:
+        seen = [round_.get(run) for round_ in speed]
+        print(f"{run:24}" + "".join(f"{'-' if v is None else f'{v:.1f}':>10}" for v in seen) +
+              f"{statistics.median(v for v in seen if v is not None):10.1f}")
+    print("ours over vLLM, the same round")
+    for ours in (run for run in runs if run.startswith("ours")):
+        for vllm in (run for run in runs if run.startswith("vllm")):
+            ratios = [r[ours] / r[vllm] for r in speed if ours in r and vllm in r]
+            if ratios:
+                print(f"{ours + ' / ' + vllm:40}" + "".join(f"{v:7.2f}" for v in ratios) +
+                      f"   median {statistics.median(ratios):.2f}")
+
+
 def end(row: dict) -> int:
     return len(row["tokens"]) - (1 + row["drafts"] + row["accepted"])
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--rounds"]:
+        rounds(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
