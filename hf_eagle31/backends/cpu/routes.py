@@ -209,13 +209,13 @@ def _read(path: Path, candidates: tuple[str, ...]) -> tuple[str, ...] | None:
     try:
         kept = json.loads(path.read_text())
         counts, copy = tuple(kept["counts"]), kept.get("copy_seconds")  # none: an older file, timed without the copy
-        complete = set(candidates) <= set(kept["seconds"])  # an older file, without some way: measured again
         streamed = kept.get("streamed_bytes") == streamed_bytes()  # an older file timed a stream partly in the cache
+        # an older file without some way raises KeyError here: measured again
         seconds = {name: [float(t) for t in kept["seconds"][name]] for name in candidates}
     except (OSError, ValueError, KeyError, TypeError):
         return None
     usable = counts == COUNTS and all(len(times) == len(COUNTS) for times in seconds.values())
-    return choose(seconds, copy) if copy is not None and complete and streamed and usable else None
+    return choose(seconds, copy) if copy is not None and streamed and usable else None
 
 
 def _write(path: Path, record: dict) -> None:
