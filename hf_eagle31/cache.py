@@ -5,6 +5,7 @@ beyond `update`."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 from transformers import Cache
@@ -43,19 +44,21 @@ def draft_budget(cache: Cache) -> int:
     return 1 << 30 if capacity is None else capacity - int(cache.get_seq_length()) - 1
 
 
-def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.Tensor:
+def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor],
+                  truncate: Callable[[Cache, int], None] = truncate_cache) -> torch.Tensor:
     """Pack each row's kept block entries (`kept[b]`, ascending) at `start`, cut the block to the longest.
 
     Returns the `[B, longest]` bool mask of the packed entries that are real (the rest are holes).
     `start` counts every token cached before the block; a sliding-window layer holds fewer, so each
     dynamic layer finds the block at its own end; a static layer has it at `start`. Keys and values
-    are gathered separately: their head sizes differ in MLA targets (DeepSeek, MiniCPM3).
+    are gathered separately: their head sizes differ in MLA targets (DeepSeek, MiniCPM3). `truncate` then drops
+    the entries past them (a backend's own where it holds the cache's tensors: the CPU backend's cuts them in place).
     """
     block = int(cache.get_seq_length()) - start
     longest = max(k.shape[0] for k in kept)
     device = next(layer.keys.device for layer in cache.layers if layer.is_initialized)
     if all(k.shape[0] == block for k in kept):  # every row keeps its whole block (a plain step's): nothing moves
-        truncate_cache(cache, start + block)
+        truncate(cache, start + block)
         return torch.ones(len(kept), block, dtype=torch.bool, device=device)
     index = torch.zeros(len(kept), longest, dtype=torch.long, device=device)
     real = torch.zeros(len(kept), longest, dtype=torch.bool, device=device)
@@ -73,7 +76,7 @@ def compact_cache(cache: Cache, start: int, kept: list[torch.Tensor]) -> torch.T
             if shape not in gathers:
                 gathers[shape] = index[:, None, :, None].expand(-1, shape[0], -1, shape[1])
             entries[:, :, first : first + longest] = entries[:, :, first : first + block].gather(2, gathers[shape])
-    truncate_cache(cache, start + longest)
+    truncate(cache, start + longest)
     return real
 
 

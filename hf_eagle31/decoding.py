@@ -302,7 +302,7 @@ class EagleLoop:
                     self.walk(b, trees[b], children[b], step, block, logits[b],
                               None if features is None else features[b : b + 1])
                     for b, (step, block) in enumerate(zip(steps, blocks))]
-            real = compact_cache(cache, plan.cached, kept).to(self.key_mask.device)
+            real = compact_cache(cache, plan.cached, kept, self.prepared.truncate).to(self.key_mask.device)
             self.key_mask = torch.cat([self.key_mask, real], dim=1)
             self.holed = self.holed or len({k.shape[0] for k in kept}) > 1
         return steps

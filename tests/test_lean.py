@@ -355,8 +355,9 @@ def test_a_step_is_computed_whole_only_for_mlps_gated_by_silu():
 
 
 def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it():
-    """Blocks appended, rolled back, compacted, a row leaving: the room's cache holds what transformers' holds,
-    grows in place between buffers, and never writes into a tensor handed out before the room was made."""
+    """Blocks appended, rolled back (by the room's `truncate`), compacted, a row leaving: the room's cache holds what
+    transformers' holds, grows in place between buffers, and never writes into a tensor handed out before the room
+    was made."""
     torch.manual_seed(0)
     batch, heads, size = 2, 3, 8
     caches = [DynamicCache(), DynamicCache()]
@@ -381,8 +382,8 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
         assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
         start = caches[0].get_seq_length() - n
         kept = [torch.arange(n)[torch.randperm(n)[: 1 + step % n]].sort().values for _ in range(batch)]
-        for cache in caches:
-            compact_cache(cache, start, kept)
+        compact_cache(caches[0], start, kept)
+        compact_cache(caches[1], start, kept, room.truncate)  # the room's tensors cut in place
         if step == 30:
             for cache in caches:
                 cache.batch_select_indices(torch.tensor([1]))
@@ -394,8 +395,9 @@ def test_the_cache_room_grows_the_cache_as_concatenation_does_without_copying_it
 
 
 def test_the_cache_room_grows_the_tensors_it_gave_in_place_and_no_others():
-    """Where the rows library is loaded, `commit` grows the layer's tensors the room gave it in place (no new views a
-    step); a tensor taken from the cache before, or one transformers made (a crop), keeps its shape."""
+    """Where the rows library is loaded, `commit` grows and `truncate` cuts the layer's tensors the room gave it in
+    place (no new views a step); a tensor taken from the cache before, or one transformers made (a crop), keeps its
+    shape."""
     cache = DynamicCache()
     cache.update(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), 0)
     before = cache.layers[0].keys
@@ -408,12 +410,20 @@ def test_the_cache_room_grows_the_tensors_it_gave_in_place_and_no_others():
     assert before.shape[2] == 6 and [length for _, length in shapes] == [7, 8, 9]
     if rows.rows_kernel():
         assert shapes[0][0] is shapes[1][0] is shapes[2][0]  # grown in place
+    room.truncate(cache, 8)  # cut in place where the library is loaded, as transformers' crop would cut
+    assert cache.layers[0].keys.shape[2] == 8 and before.shape[2] == 6
+    if rows.rows_kernel():
+        assert cache.layers[0].keys is shapes[2][0]
     cache.crop(-1)
     cropped = cache.layers[0].keys
+    room.truncate(cache, 9)  # longer than the cache: nothing to cut
+    assert cache.layers[0].keys is cropped
     _, _, length = room.reserve(cache, 2, views=False)
     room.commit(cache, length + 2)
-    assert cropped.shape[2] == 8 and cache.layers[0].keys.shape[2] == 10
-    assert torch.equal(cache.layers[0].keys[:, :, :8], cropped)
+    assert cropped.shape[2] == 7 and cache.layers[0].keys.shape[2] == 9
+    assert torch.equal(cache.layers[0].keys[:, :, :7], cropped)
+    room.truncate(cache, 8)  # the tensors commit gave it, cut again
+    assert cache.layers[0].keys.shape[2] == 8 and torch.equal(cache.layers[0].keys[:, :, :7], cropped)
 
 
 def test_the_compiled_lean_forward_decodes_as_plain_greedy_and_compiles_once(monkeypatch):

@@ -8,6 +8,7 @@
     prepared.draft_replay                                       # a fixed-shape draft's replay (CUDA graphs), or None
     prepared.compiled                                           # whether the verify forwards run as one inductor graph
     prepared.argmax                                             # a greedy pick of scores [..., V] -> [..., 1], or None
+    prepared.truncate(cache, length)                            # drop the cache's entries past `length`
 
 The default backend runs transformers' forward unchanged (`verification.verify_forward`) and the drafter's
 layers as modules. The CPU backend (cpu/) computes the same products faster on a CPU and, for a
@@ -29,6 +30,7 @@ from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers import Cache, PreTrainedModel
 
+from hf_eagle31.cache import truncate_cache
 from hf_eagle31.drafting import DraftForward, Replay
 from hf_eagle31.modeling import Eagle3DraftModel, Products
 from hf_eagle31.verification import verify_forward
@@ -44,12 +46,14 @@ class TargetForwards:
     """How one call runs the target: its forward for anything but a verify block (the prefill: `forward(**inputs)`)
     and its verify forward; `compiled`: whether the verify forwards run as one inductor graph (`compile_verify`);
     `argmax`: how a greedy decoding picks from its processed scores, `scores.argmax(-1, keepdim=True)`'s result
-    computed faster (None: torch's own)."""
+    computed faster (None: torch's own); `truncate`: how the cache a verify forward grew drops the entries the walk
+    rejected (`cache.truncate_cache`, or the backend's own for the cache it holds)."""
 
     forward: Callable[..., object]
     verify: Verify
     compiled: bool = False
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    truncate: Callable[[Cache, int], None] = truncate_cache
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from hf_eagle31.backends import TargetForwards
 from hf_eagle31.backends.cpu import draft, lean, rows
 from hf_eagle31.backends.cpu.products import Products, can_pack, products_for
+from hf_eagle31.cache import truncate_cache
 from hf_eagle31.drafting import DraftForward
 from hf_eagle31.modeling import Eagle3DraftModel
 from hf_eagle31.verification import verify_forward
@@ -45,7 +46,8 @@ class CpuBackend:
                 return verify_forward(target, cache, plan, tokens, positions, target_layer_ids)
 
         return TargetForwards(forward, verify, room is not None and room.compiled,
-                              torch.ops.hf_eagle31_rows.argmax if rows.rows_kernel() else None)
+                              torch.ops.hf_eagle31_rows.argmax if rows.rows_kernel() else None,
+                              truncate_cache if room is None else room.truncate)
 
     def products(self, model: nn.Module) -> Products | None:
         return products_for(model) if can_pack(model) else None

@@ -277,19 +277,20 @@ std::vector<at::Tensor> fronts(at::TensorList buffers, int64_t length) {
   return views;
 }
 
-// Each view [B, H, L, D] of a room's buffer grown in place to its first `length` entries: what `CacheRoom.commit`
-// makes each layer's cache once a forward wrote its block behind it, the layers keeping their tensors instead of
-// taking 60 new views a SmolLM2 step (each a Python object made, and one freed).
-void grow(at::TensorList views, int64_t length) {
+// Each view [B, H, L, D] of a room's buffer set in place to its first `length` entries: what `CacheRoom.commit`
+// makes each layer's cache once a forward wrote its block behind it, and `CacheRoom.truncate` once the walk rejected
+// part of it, the layers keeping their tensors instead of taking 60 new views a SmolLM2 step (each a Python object
+// made, and one freed).
+void set_length(at::TensorList views, int64_t length) {
   for (const auto& view : views) {
-    TORCH_CHECK(view.dim() == 4 && length >= view.size(2), "hf_eagle31_rows::grow: views [B, H, L, D] of at most ",
-                length, " entries expected");
+    TORCH_CHECK(view.dim() == 4 && length >= 0, "hf_eagle31_rows::set_length: views [B, H, L, D] and a length of at "
+                "least 0 expected");
     int64_t last = view.storage_offset() + (length - 1) * view.stride(2);  // the last element it will reach
     for (const int64_t dim : {0, 1, 3}) last += (view.size(dim) - 1) * view.stride(dim);
-    const bool none = view.size(0) == 0 || view.size(1) == 0 || view.size(3) == 0;  // no element at any length
+    const bool none = length == 0 || view.size(0) == 0 || view.size(1) == 0 || view.size(3) == 0;  // no element
     const int64_t bytes = (last + 1) * static_cast<int64_t>(view.itemsize());
     TORCH_CHECK(none || bytes <= static_cast<int64_t>(view.storage().nbytes()),
-                "hf_eagle31_rows::grow: no room for ", length, " entries in a view's buffer");
+                "hf_eagle31_rows::set_length: no room for ", length, " entries in a view's buffer");
   }
   for (const auto& view : views) {
     std::vector<int64_t> sizes = view.sizes().vec();
@@ -362,7 +363,7 @@ TORCH_LIBRARY_FRAGMENT(hf_eagle31_rows, m) {
   m.def("attends(int head_dim) -> bool", [](int64_t head_dim) { return attends(head_dim); });
   m.def("hold_room(int room, Tensor[] keys, Tensor[] values) -> ()", hold_room);
   m.def("fronts(Tensor(a)[] buffers, int length) -> Tensor(a)[]", fronts);
-  m.def("grow(Tensor(a!)[] views, int length) -> ()", grow);
+  m.def("set_length(Tensor(a!)[] views, int length) -> ()", set_length);
   m.def("attention_in_room(Tensor query, Tensor keys, Tensor values, SymInt room, int layer, SymInt length, "
         "Tensor? mask, float scale) -> Tensor");
   m.impl("attention_in_room", c10::DispatchKey::CPU, TORCH_FN(attention_in_room));
