@@ -256,12 +256,12 @@ class Frontier:
         return torch.cat([self.ancestry, itself], dim=2)
 
     def children(self, child_scores: torch.Tensor, child_ids: torch.Tensor, per_node: int, hidden: torch.Tensor,
-                 pool_start: int, top_k: int) -> Frontier:
+                 pool_start: int, top_k: int, ancestry: torch.Tensor) -> Frontier:
         """The next level's frontier: the `top_k` best of this level's children (`child_scores`, `child_ids`
-        `[B, w * per_node]`, the first at pool index `pool_start`), with their parents' fed-back `hidden` states."""
+        `[B, w * per_node]`, the first at pool index `pool_start`), with their parents' fed-back `hidden` states and
+        `ancestry` (`tail_mask()`, which this level's forward took)."""
         scores, best = child_scores.topk(min(top_k, child_scores.shape[1]), dim=-1)
         parents = (best // per_node)[..., None]
-        ancestry = self.tail_mask()
         return Frontier(pool_start + best, scores, child_ids.gather(1, best),
                         hidden.gather(1, parents.expand(-1, -1, hidden.shape[2])),
                         ancestry.gather(1, parents.expand(-1, -1, ancestry.shape[2])))
@@ -320,7 +320,8 @@ def draft_tree(
                                                                                          roots.to(hidden.device)))
     else:
         trees = draft(hidden, logits, roots.to(hidden.device))
-    trees = [None if part is None else part.to(roots.device) for part in trees]
+    if roots.device != hidden.device:
+        trees = [None if part is None else part.to(roots.device) for part in trees]
     return [DraftTree(*(None if part is None else part[b] for part in trees)) for b in range(hidden.shape[0])]
 
 
@@ -343,7 +344,8 @@ def _grow(state: DrafterState, hidden: torch.Tensor, logits: torch.Tensor, depth
             if width == 0:
                 break
             frontier = frontier.narrowed(width)
-        out = state.draft_forward(frontier.ids, frontier.hidden, level, frontier.tail_mask(), static)
+        tail = frontier.tail_mask()
+        out = state.draft_forward(frontier.ids, frontier.hidden, level, tail, static)
         top_log_probs, child_ids, q = _children(torch.log_softmax(out.logits.float(), dim=-1), top_k, temperature)
         child_scores, child_ids = (frontier.scores[:, :, None] + top_log_probs).flatten(1), child_ids.flatten(1)
         pool_scores.append(child_scores)
@@ -354,7 +356,7 @@ def _grow(state: DrafterState, hidden: torch.Tensor, logits: torch.Tensor, depth
         kept = torch.cat([kept, child_scores], dim=1)
         kept = kept.topk(min(total_tokens, kept.shape[1]), dim=-1).values
         frontier = frontier.children(child_scores, child_ids, top_log_probs.shape[2], out.hidden_states, pool_size,
-                                     top_k)
+                                     top_k, tail)
         pool_size += child_scores.shape[1]
     depths = torch.cat([torch.full((count,), level, device=device) for count, level in pool_depths])
     ranks = torch.stack(frontier_ranks, dim=1) if frontier_ranks else scores.new_zeros(batch, 0, dtype=torch.long)
