@@ -180,10 +180,10 @@ class CacheRoom:
         buffers without checking (transformers replaces a layer's tensors, never reshapes them in place): 0.2 ms a
         SmolLM2 step less."""
         for index, layer in enumerate(cache.layers):
-            length, buffers, given = layer.keys.shape[2], self.buffers.get(index), self.given.get(index)
-            front = given is not None and layer.keys is given[0] and layer.values is given[1]
+            length, buffers = layer.keys.shape[2], self.buffers.get(index)
             if buffers is None or length + n >= buffers[0].shape[2] or not (  # never full: one compiled graph
-                    front or _front_of(layer.keys, buffers[0]) and _front_of(layer.values, buffers[1])):
+                    self._holds_given(index, layer) or
+                    _front_of(layer.keys, buffers[0]) and _front_of(layer.values, buffers[1])):
                 room = max(self.MIN_ROOM, length // 16) + n
                 buffers = self.buffers[index] = (_with_room(layer.keys, room), _with_room(layer.values, room))
                 self.given.pop(index, None)  # what it gave the layer is of the buffers before
@@ -199,9 +199,8 @@ class CacheRoom:
         SmolLM2 step, each a Python object: ~0.1 ms), else new views."""
         grows, grown = rows.rows_kernel(), []
         for index, layer in enumerate(cache.layers):
-            given = self.given.get(index)
-            if grows and given is not None and layer.keys is given[0] and layer.values is given[1]:
-                grown += given
+            if grows and self._holds_given(index, layer):
+                grown += self.given[index]
             else:
                 keys, values = self.buffers[index]
                 self.given[index] = layer.keys, layer.values = keys.narrow(2, 0, length), values.narrow(2, 0, length)
@@ -213,12 +212,18 @@ class CacheRoom:
         library. Why: transformers' `crop` gives each layer new views, which the next `commit` replaces by views of its
         own: 120 Python objects made a SmolLM2 step that rejects part of its block, and 60 checks in `reserve` (0.4 ms
         of such an EAGLE step on an Intel Xeon, ~1.5%)."""
-        given = [self.given.get(index) for index in range(len(cache.layers))]
-        if not (rows.rows_kernel() and all(pair is not None and layer.keys is pair[0] and layer.values is pair[1]
-                                           for pair, layer in zip(given, cache.layers))):
+        layers = enumerate(cache.layers)
+        if not (rows.rows_kernel() and all(self._holds_given(index, layer) for index, layer in layers)):
             truncate_cache(cache, length)
         elif length < cache.get_seq_length():
-            torch.ops.hf_eagle31_rows.set_length([tensor for pair in given for tensor in pair], length)
+            torch.ops.hf_eagle31_rows.set_length([tensor for index in range(len(cache.layers))
+                                                  for tensor in self.given[index]], length)
+
+    def _holds_given(self, index: int, layer) -> bool:
+        """Whether cache layer `index` still holds the very tensors the room gave it (`commit`): transformers replaces a
+        layer's tensors, never reshapes them in place, so these are still the front of the layer's buffers."""
+        given = self.given.get(index)
+        return given is not None and layer.keys is given[0] and layer.values is given[1]
 
     def hold_weights(self, model: nn.Module) -> None:
         """Hand the rows library each product's weights and bias under its key, once a call, for a compiled graph that
