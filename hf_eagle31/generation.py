@@ -282,7 +282,7 @@ def speculation_plan(target: PreTrainedModel, drafter: Eagle3DraftModel, setting
     monitor = CollapseMonitor(enabled=settings.collapse_fallback)
     # a plain step of this batch first, timed: it is what speculation must beat. Taking the verify forward's time for
     # it favours speculation where verifying a block costs about a step, but hides the CPUs where it costs two (no
-    # AVX-512: the rows kernel does not build, and MKL's product of 2-4 rows takes 1.6-1.7 one-row products)
+    # AVX-512: the rows kernel does not build, and MKL's product of 2-4 rows takes 1.5-1.7 one-row products)
     monitor.plain_left = 1
     verify_mode = checked_verify_mode(settings)
     compiled = None
