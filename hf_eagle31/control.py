@@ -89,6 +89,7 @@ class CollapseMonitor:
         self.plain_time: float | None = None
         self.fallbacks = 0
         self.losing_streak = 0
+        self.streak = [0.0, 0]  # tokens emitted and speculative steps in the checks of the losing streak
         self.warned = False
         self.recent: deque[tuple[float, float, float]] = deque(maxlen=self.window)  # (tokens, seconds, verify s)
         self.unchecked = 0
@@ -116,22 +117,28 @@ class CollapseMonitor:
         relative_rate = tokens / max(seconds, 1e-9) * plain_time
         nothing_accepted = tokens <= steps  # one token per step: never pays
         if not nothing_accepted and relative_rate >= self.margin:
-            self.losing_streak = 0  # one good check may be a fluke: relax the backoff gradually
+            self.losing_streak, self.streak = 0, [0.0, 0]  # one good check may be a fluke: relax the backoff gradually
             self.backoff = max(self.initial_backoff, self.backoff // 2)
             return
         self.losing_streak += 1
+        self.streak = [self.streak[0] + tokens, self.streak[1] + steps]
         if self.losing_streak == self.warn_after and not self.warned:  # a hard stretch of text is no news
             self.warned = True
-            logger.warning(
-                "EAGLE speculation was slower than plain decoding %d checks in a row (%.2f tokens per "
-                "plain-step time, %.1f tokens accepted per step); decoding plainly and probing again "
-                "later. %s",
-                self.losing_streak, relative_rate, tokens / steps,
-                "Nothing was accepted: is this drafter trained for this target?" if nothing_accepted else
-                "The drafter is accepted too rarely for this device's verify cost; a shorter draft "
-                "(tune_drafter) or a better-trained drafter may pay.",
-            )
+            self._warn(relative_rate)
         self.fallbacks += 1
         self.plain_left = self.backoff
         self.backoff = min(2 * self.backoff, self.max_backoff)
         self.recent.clear()
+
+    def _warn(self, relative_rate: float) -> None:
+        """Say that speculation lost, and why as far as the losing checks tell: a drafter that none of their steps
+        accepted anything of (a probe of a few steps accepting nothing on a hard stretch is no such sign), or one
+        accepted too rarely for this device's verify cost."""
+        tokens, steps = self.streak
+        logger.warning(
+            "EAGLE speculation was slower than plain decoding %d checks in a row (%.2f tokens per plain-step time, "
+            "%.1f tokens a step over those checks); decoding plainly and probing again later. %s",
+            self.losing_streak, relative_rate, tokens / steps,
+            "Nothing was accepted: is this drafter trained for this target?" if tokens <= steps else
+            "The drafter is accepted too rarely for this device's verify cost; a shorter draft (tune_drafter) or a "
+            "better-trained drafter may pay.")

@@ -326,6 +326,22 @@ def test_collapse_monitor_judges_a_long_window_with_a_margin():
     assert len(slightly_slower.recent) == 0  # the probe after the fallback is judged on its own
 
 
+def test_collapse_monitor_blames_the_drafter_only_where_no_losing_check_accepted_anything(caplog):
+    """A drafter accepted well but verified at too high a cost (a CPU without AVX-512) loses its checks; a probe of a
+    few steps that then meets a hard stretch accepts nothing. The warning names the verify cost, not the drafter."""
+    monitor = CollapseMonitor(check_every=2, window=2, initial_backoff=1)
+    monitor.record_plain(1.0)
+    with caplog.at_level(logging.WARNING, logger="hf_eagle31"):
+        for emitted in (3, 3, 1):  # 3 tokens in 4 plain steps' time, twice; then a probe that accepts nothing
+            for _ in range(2):
+                monitor.record_speculative(emitted=emitted, seconds=4.0, verify_seconds=3.5)
+            while not monitor.should_speculate():
+                monitor.record_plain(1.0)
+    [warning] = [r.message for r in caplog.records]
+    assert "3 checks in a row" in warning and "2.3 tokens a step" in warning and "verify cost" in warning
+    assert "Nothing was accepted" not in warning
+
+
 def test_tree_mode_uses_the_draft_vocabulary_map():
     target, drafter = trained_pair("llama", True)
     assert torch.equal(drafter.d2t, torch.zeros_like(drafter.d2t))  # identity map: trivially consistent
