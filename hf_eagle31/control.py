@@ -66,9 +66,9 @@ class CollapseMonitor:
     window is long because per-step acceptance is noisy: judged over 4 steps alone, a drafter that
     pays on average loses checks to short hard stretches and spends its gains on plain steps. Each
     fallback starts the window afresh, so a probe is judged on what the drafter does now; a
-    collapsed drafter still loses its first check, after `check_every` steps. Decoding times a
-    plain step first (`plain_left`); until one is timed, `t_plain` is taken as the verify time of
-    a speculative step, an upper bound that favours speculation. After a lost check it runs
+    collapsed drafter still loses its first check, after `check_every` steps. Until a plain step
+    has been timed (a batch times one first: `plain_left`), `t_plain` is taken as the verify time
+    of a speculative step, an upper bound that favours speculation. After a lost check it runs
     `backoff` plain steps, doubling the backoff after each losing probe (up to `max_backoff`) and
     halving it after a winning check, so the number of wasted draft steps grows only
     logarithmically with the output length. It warns once, after `warn_after` lost checks in a

@@ -280,10 +280,8 @@ def speculation_plan(target: PreTrainedModel, drafter: Eagle3DraftModel, setting
     if tree_top_k == 1:
         tree_total_tokens = max_depth  # a chain keeps every node it drafts
     monitor = CollapseMonitor(enabled=settings.collapse_fallback)
-    # a plain step of this batch first, timed: it is what speculation must beat. Taking the verify forward's time for
-    # it favours speculation where verifying a block costs about a step, but hides the CPUs where it costs two (no
-    # AVX-512: the rows kernel does not build, and MKL's product of 2-4 rows takes 1.5-1.7 one-row products)
-    monitor.plain_left = 1
+    if batch_size > 1:
+        monitor.plain_left = 1  # time a plain step of this batch first: it is what speculation must beat
     verify_mode = checked_verify_mode(settings)
     compiled = None
     if verify_mode == "batched" and target._valid_auto_compile_criteria(model_kwargs, generation_config):
