@@ -2,6 +2,7 @@
 verify block has, its attention (rows_attention.cpp) against torch's, and its build: keyed to what it depends on,
 loaded by later processes without torch's builder, robust to a build killed halfway and to a compiler that fails."""
 
+import dataclasses
 import json
 import math
 import os
@@ -263,7 +264,7 @@ def test_a_build_killed_halfway_does_not_hang_the_next_process(tmp_path, monkeyp
     folder = rows.build_directory()  # where the process below builds
     (folder / "build").mkdir(parents=True)
     (folder / "build" / "lock").write_text("")  # what the killed build leaves
-    (folder / "build" / rows.LIBRARY).write_bytes(b"half a library")
+    (folder / "build" / rows.ROWS.library).write_bytes(b"half a library")
     done = first_call({"HF_EAGLE31_CACHE": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kernel True equal True" in done.stdout
@@ -308,8 +309,10 @@ def test_the_build_is_keyed_by_source_compiler_torch_and_cpu_not_by_environment(
     monkeypatch.setattr(sys, "executable", "/another/environment/bin/python")
     assert rows.build_key() == key
     changes = [(rows, "_compiler", lambda: "clang++"), (rows, "_cpu", lambda: "another CPU"),
-               (torch, "__version__", "0.0.1"), (rows, "_flags", lambda: ["-O2"]), (rows, "SOURCES", rows.SOURCES[:1]),
-               (rows, "HEADER", rows.SOURCES[0]),  # the header the sources include, changed
+               (torch, "__version__", "0.0.1"), (rows, "_flags", lambda build: ["-O2"]),
+               (rows, "ROWS", dataclasses.replace(rows.ROWS, sources=rows.ROWS.sources[:1])),
+               (rows, "ROWS", dataclasses.replace(rows.ROWS, header=rows.ROWS.sources[0])),  # the header, changed
+               (torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT"),  # ATEN_CPU_CAPABILITY=default
                (rows.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "c++ 99.1", ""))]
     for owner, name, value in changes:
         with monkeypatch.context() as patch:
@@ -342,7 +345,7 @@ def test_a_kernel_that_cannot_build_is_named_in_the_warning(monkeypatch, tmp_pat
 
     monkeypatch.setattr(cpp_extension, "load", no_ninja)
     with pytest.warns(UserWarning, match="rows kernel did not build .*Ninja is required.*torch's and oneDNN's"):
-        assert rows._load(tmp_path) is False
+        assert rows._load(rows.ROWS, tmp_path) is False
 
 
 def test_a_thread_asking_while_another_builds_computes_without_it(monkeypatch):
@@ -365,7 +368,10 @@ def test_the_library_builds_where_it_can():
     assert bf16_kernel() == torch.cpu._is_avx512_bf16_supported()
 
 
-def test_no_avx512_means_no_kernel(monkeypatch):
-    monkeypatch.setattr(rows, "_LOADED", [])
+def test_avx2_alone_builds_the_products_alone_and_less_builds_nothing(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert rows_kernel() is False
+    assert rows.for_this_cpu() is rows.AVX2  # built and tested in test_avx2_kernel.py
+    assert rows.build_key() == rows.build_key(rows.AVX2) != rows.build_key(rows.ROWS)
+    monkeypatch.setattr(rows, "_LOADED", [])
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert rows_kernel() is False and rows.avx2_kernel() is False

@@ -19,6 +19,11 @@ library (it is moved into place whole), and torch's own lock file, which it woul
 that lock. A thread that asks while another builds computes without the kernel meanwhile; a failure to build (no
 compiler, one that fails) falls back to torch's and oneDNN's products with one warning. Elsewhere `rows_kernel()`
 is False.
+
+A CPU with AVX2 but not AVX-512 (Intel's laptop chips since Alder Lake, AMD's before Zen 4) gets the products alone,
+built the same way from rows_avx2.cpp (`avx2_kernel()`): there MKL's product took 1.6-2.8 one row's time for 2-16
+fp32 rows (the same weights read), so that a verify block cost two decoding steps, and streamed bf16 weights at half
+fp32's rate.
 """
 
 from __future__ import annotations
@@ -34,37 +39,73 @@ import shutil
 import subprocess
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 MAX_ROWS = 16  # the row counts of verify blocks, each measured (routes.py); a prefill's are measured at a few counts
 # past it, and a compiled verify block's go to the kernel where it serves every count up to it (serves_every_count)
-SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "rows_linear.cpp", "rows_attention.cpp", "rows_step.cpp"))
-HEADER = Path(__file__).with_name("rows.h")  # what one source calls in another: part of the build key too
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # where the CPU and the compiler have them: AMX's tiles (rows_linear.cpp)
-LIBRARY = "hf_eagle31_rows.so"
+
+
+@dataclass(frozen=True)
+class Build:
+    """A library of this folder's C++: `name`, its ops' namespace; `capability`, torch's name for the instructions
+    it is built for (`torch.backends.cpu.get_cpu_capability()`); `header`, what one source calls in another (part of
+    the build key too)."""
+
+    name: str
+    capability: str
+    sources: tuple[Path, ...]
+    header: Path | None = None
+
+    @property
+    def library(self) -> str:
+        return f"{self.name}.so"
+
+
+ROWS = Build("hf_eagle31_rows", "AVX512", tuple(Path(__file__).with_name(name) for name in (
+    "rows_linear.cpp", "rows_attention.cpp", "rows_step.cpp")), Path(__file__).with_name("rows.h"))
+AVX2 = Build("hf_eagle31_avx2", "AVX2", (Path(__file__).with_name("rows_avx2.cpp"),))
 
 logger = logging.getLogger(__name__)
-_LOADED: list[bool] = []  # [True] once loaded, [False] where it cannot be; empty until tried
+_LOADED: list[Build | None] = []  # [the build] once loaded, [None] where none can be; empty until tried
 _BUILDING = threading.Lock()
 
 
 def rows_kernel() -> bool:
-    """Whether `torch.ops.hf_eagle31_rows.linear` is loaded: built here if this CPU has AVX-512 and a compiler. False
-    while another thread of this process builds it (that call computes without it, rather than wait)."""
+    """Whether the rows library (`torch.ops.hf_eagle31_rows`: products, attention, whole forwards) is loaded: built
+    here if this CPU has AVX-512 and a compiler. False while another thread of this process builds it (that call
+    computes without it, rather than wait)."""
+    return _loaded() is ROWS
+
+
+def avx2_kernel() -> bool:
+    """Whether the products alone (`torch.ops.hf_eagle31_avx2.linear`) are loaded: built where the CPU has AVX2 but
+    not AVX-512, as `rows_kernel()` is."""
+    return _loaded() is AVX2
+
+
+def for_this_cpu() -> Build | None:
+    """The library built for the instructions torch uses here, if any."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return next((build for build in (ROWS, AVX2) if build.capability == capability), None)
+
+
+def _loaded() -> Build | None:
     if _LOADED:
         return _LOADED[0]
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or shutil.which(_compiler()) is None:
-        _LOADED.append(False)
-        return False
+    build = for_this_cpu()
+    if build is None or shutil.which(_compiler()) is None:
+        _LOADED.append(None)
+        return None
     if not _BUILDING.acquire(blocking=False):
-        return False
+        return None
     try:
         if not _LOADED:
-            _LOADED.append(_load(build_directory()))
-            if _LOADED[0]:
+            _LOADED.append(build if _load(build, build_directory(build)) else None)
+            if _LOADED[0] is not None:
                 warn_if_threads_sleep()
     finally:
         _BUILDING.release()
@@ -86,7 +127,8 @@ def warn_if_threads_sleep() -> None:
 
 
 def kernel_decided() -> bool:
-    """Whether `rows_kernel()` has its answer (False only while another thread of this process builds)."""
+    """Whether `rows_kernel()` and `avx2_kernel()` have their answer (False only while another thread of this process
+    builds)."""
     return bool(_LOADED)
 
 
@@ -118,7 +160,9 @@ def _compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def _flags() -> list[str]:
+def _flags(build: Build = ROWS) -> list[str]:
+    if build is AVX2:
+        return ["-O3", "-mavx2", "-mfma", "-fopenmp"]
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     amx = bf16 and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() and \
         _accepts(_compiler(), AMX_FLAGS)
@@ -145,39 +189,43 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_key() -> str:
-    """A digest of everything the built library depends on: its source and flags, the compiler (`$CXX`, its path
-    and version), torch's version and the CPU. Not the Python version nor the environment: the library includes no
-    Python header, and every environment with the same torch loads the same one."""
+def build_key(build: Build | None = None) -> str:
+    """A digest of everything `build` (this CPU's) depends on: its source and flags, the compiler (`$CXX`, its path
+    and version), torch's version, the CPU and the instructions torch uses on it (`ATEN_CPU_CAPABILITY` can lower
+    them: the routes measured differ). Not the Python version nor the environment: the library includes no Python
+    header, and every environment with the same torch loads the same one."""
+    build = build or for_this_cpu() or ROWS
     compiler = shutil.which(_compiler()) or _compiler()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    parts = [*(hashlib.sha256(source.read_bytes()).hexdigest() for source in (*SOURCES, HEADER)),
-             " ".join(_flags()), compiler, version, torch.__version__, str(torch.version.git_version), _cpu()]
+    files = (*build.sources, *([build.header] if build.header else []))
+    parts = [*(hashlib.sha256(source.read_bytes()).hexdigest() for source in files), " ".join(_flags(build)),
+             compiler, version, torch.__version__, str(torch.version.git_version), _cpu(),
+             torch.backends.cpu.get_cpu_capability()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def build_directory() -> Path:
-    """Where the kernel is built, and its measured routes kept: per `build_key`, under `HF_EAGLE31_CACHE`
+def build_directory(build: Build | None = None) -> Path:
+    """Where `build` (this CPU's) is built, and the measured routes kept: per `build_key`, under `HF_EAGLE31_CACHE`
     (~/.cache/hf_eagle31)."""
     root = Path(os.environ.get("HF_EAGLE31_CACHE", Path.home() / ".cache" / "hf_eagle31"))
-    return root / f"rows-{build_key()}"
+    return root / f"rows-{build_key(build)}"
 
 
-def _load(folder: Path) -> bool:
-    """Load the library built in `folder`, building it first (once, under a lock) where it is not there yet."""
-    library = folder / LIBRARY
+def _load(build: Build, folder: Path) -> bool:
+    """Load `build`'s library from `folder`, building it first (once, under a lock) where it is not there yet."""
+    library = folder / build.library
     try:
         if not library.exists():
             folder.mkdir(parents=True, exist_ok=True)
             with open(folder / "build.lock", "w") as lock:
-                logger.warning("hf_eagle31: building the rows kernel for this CPU and compiler in %s (once, about "
-                               "20 s)", folder)
+                logger.warning("hf_eagle31: building the rows kernel (%s) for this CPU and compiler in %s (once, "
+                               "about 20 s)", build.name, folder)
                 fcntl.flock(lock, fcntl.LOCK_EX)  # another process building: wait for it; released if it dies
                 if not library.exists():
-                    _build(folder)
+                    _build(build, folder)
                     return True  # torch's builder loaded what it built
         torch.ops.load_library(str(library))
     except Exception as error:  # no ninja, a compiler that fails, an unwritable cache: torch's and oneDNN's products
@@ -187,8 +235,8 @@ def _load(folder: Path) -> bool:
     return True
 
 
-def _build(folder: Path) -> None:
-    """Build (and load) the library in a scratch folder, then move it into place whole."""
+def _build(build: Build, folder: Path) -> None:
+    """Build (and load) `build`'s library in a scratch folder, then move it into place whole."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is not None:  # pip's ninja, off PATH
@@ -198,7 +246,7 @@ def _build(folder: Path) -> None:
     scratch = folder / "build"
     scratch.mkdir(exist_ok=True)
     (scratch / "lock").unlink(missing_ok=True)  # torch's own lock, left by a build that was killed
-    cpp_extension.load("hf_eagle31_rows", [str(source) for source in SOURCES], is_python_module=False,
-                       build_directory=str(scratch), extra_cflags=_flags(), extra_ldflags=["-fopenmp"])
-    shutil.copyfile(scratch / LIBRARY, folder / f"{LIBRARY}.partial")
-    os.replace(folder / f"{LIBRARY}.partial", folder / LIBRARY)
+    cpp_extension.load(build.name, [str(source) for source in build.sources], is_python_module=False,
+                       build_directory=str(scratch), extra_cflags=_flags(build), extra_ldflags=["-fopenmp"])
+    shutil.copyfile(scratch / build.library, folder / f"{build.library}.partial")
+    os.replace(folder / f"{build.library}.partial", folder / build.library)
