@@ -77,6 +77,7 @@ MASKED = textwrap.dedent("""
     import torch
     import hf_eagle31
     from hf_eagle31.backends.cpu import routes, rows
+    from hf_eagle31.backends.cpu.products import can_pack
     from tiny_models import PROMPTS, trained_pair
     target, drafter = trained_pair("llama", eagle31=True)
     expected = target.generate(PROMPTS[:2], do_sample=False, max_new_tokens=12)
@@ -84,13 +85,14 @@ MASKED = textwrap.dedent("""
     fast = target.generate(PROMPTS[:2], do_sample=False, max_new_tokens=12, custom_generate=hf_eagle31.fast_decoding)
     print("capability", torch.backends.cpu.get_cpu_capability(), "rows", rows.rows_kernel(), "avx2",
           rows.avx2_kernel(), "routes", set(routes.routes(torch.float32)), "equal", torch.equal(eagle, expected),
-          torch.equal(fast, expected))
+          torch.equal(fast, expected), "bf16 served", can_pack(target.to(torch.bfloat16)))
 """)
 
 
 def test_a_cpu_without_avx512_decodes_on_them(tmp_path):
     """What such a CPU runs: the AVX2 build (not the rows library, which needs AVX-512), its products serving every
-    row count (routes kept here as if measured so), EAGLE's and `fast_decoding`'s tokens plain `generate`'s."""
+    row count (routes kept here as if measured so), EAGLE's and `fast_decoding`'s tokens plain `generate`'s; and a
+    bf16 model is served too (oneDNN does not compute bf16 there)."""
     environment = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2",
                    "HF_EAGLE31_CACHE": os.environ.get("HF_EAGLE31_CACHE", str(tmp_path))}
     with pytest.MonkeyPatch.context() as patch:
@@ -107,4 +109,5 @@ def test_a_cpu_without_avx512_decodes_on_them(tmp_path):
     done = subprocess.run([sys.executable, "-c", MASKED, os.path.dirname(__file__)], capture_output=True, text=True,
                           timeout=600, env=environment)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "capability AVX2 rows False avx2 True routes {'avx2'} equal True True" in done.stdout, done.stderr[-3000:]
+    assert "capability AVX2 rows False avx2 True routes {'avx2'} equal True True bf16 served True" in done.stdout, \
+        done.stderr[-3000:]

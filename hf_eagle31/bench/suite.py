@@ -147,7 +147,8 @@ def load_assistant(path: str | Path, target):
 
 
 def machine(device: str) -> str:
-    """What ran the benchmark, in words: the GPU, or the CPU model and the threads torch used."""
+    """What ran the benchmark, in words: the GPU, or the CPU model, the instructions torch used on it (AVX2 where it
+    lacks AVX-512 or `ATEN_CPU_CAPABILITY` masks it: other products, rows.py) and its threads."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
     model = platform.processor() or platform.machine()
@@ -155,7 +156,7 @@ def machine(device: str) -> str:
     if cpuinfo.exists():
         names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
         model = names[0] if names else model
-    return f"{model}, {torch.get_num_threads()} threads (CPU)"
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads (CPU)"
 
 
 def tune(target, drafters: dict, prompts, max_new_tokens, out: Path, resume: bool, temperature: float) -> dict:
