@@ -247,7 +247,7 @@ def choose(seconds: dict[str, list[float]], copy: float = 0.0) -> tuple[str, ...
     faster than the kernel (35.2 against 35.5 ms, a run earlier 35.3 against 34.6), halved `fast_decoding` (SmolLM2:
     26.0 against 51.5 tokens/s). The AVX2 products (no one-call step) take the same margin: off them a layer's
     packed product (q/k/v, gate/up) is a call a member and a concatenation, and with AVX-512 masked on that Xeon
-    MKL's one-row product, timed 0.5% faster (36.7 against 36.9 ms), made `fast_decoding`'s step 1-7% slower."""
+    MKL's one-row product, timed 0.5% faster (36.7 against 36.9 ms), made `fast_decoding`'s step 1-8% slower."""
     plain = [name for name in seconds if name != "onednn"]
     if plain and "onednn" in seconds:
         best_plain = [min(seconds[name][index] for name in plain) for index in range(MAX_ROWS)]
