@@ -65,22 +65,20 @@ void block(const float* x, const T* w, int64_t K, const float* bias, float* out,
     }
 }
 
+// The `left` rows of x from xm (R at most) times Wn weight rows.
+template <int Wn, bool PREFETCH, class T>
+void group(int64_t left, const float* xm, const T* w, int64_t K, const float* bias, float* om, int64_t ldo) {
+  if (left >= 3) block<3, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
+  else if (left == 2) block<2, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
+  else block<1, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
+}
+
 // All M rows of x [M, K] times Wn weight rows: groups of R rows, the first prefetching.
 template <int Wn, class T>
 void rows_times(const float* x, int64_t M, const T* w, int64_t K, const float* bias, float* out, int64_t ldo) {
   for (int64_t m = 0; m < M; m += R) {
-    const float* xm = x + m * K;
-    float* om = out + m * ldo;
-    const int64_t left = M - m;
-    if (m == 0) {
-      if (left >= 3) block<3, Wn, true>(xm, w, K, bias, om, ldo);
-      else if (left == 2) block<2, Wn, true>(xm, w, K, bias, om, ldo);
-      else block<1, Wn, true>(xm, w, K, bias, om, ldo);
-    } else {
-      if (left >= 3) block<3, Wn, false>(xm, w, K, bias, om, ldo);
-      else if (left == 2) block<2, Wn, false>(xm, w, K, bias, om, ldo);
-      else block<1, Wn, false>(xm, w, K, bias, om, ldo);
-    }
+    if (m == 0) group<Wn, true>(M, x, w, K, bias, out, ldo);
+    else group<Wn, false>(M - m, x + m * K, w, K, bias, out + m * ldo, ldo);
   }
 }
 
