@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
+from product_cases import assert_product, product_case
 
 from hf_eagle31.backends.cpu import routes, rows
 
@@ -31,20 +31,9 @@ def linear():
 @pytest.mark.parametrize("count", [*range(1, 17), 17, 40])  # 17, 40: groups of 3 rows and their tails, further on
 @pytest.mark.parametrize("features", [(576, 1536), (1536, 577), (100, 7), (24, 2), (33, 13)])  # K, N tails
 def test_the_products_compute_torchs_product(linear, count, features, dtype):
-    in_features, out_features = features
-    torch.manual_seed(count)
-    x = torch.randn(2, count, in_features).to(dtype)  # leading dimensions kept
-    weights = [torch.randn(out_features, in_features).to(dtype), torch.randn(5, in_features).to(dtype)]
-    bias = torch.randn(out_features + 5).to(dtype)
-    expected = F.linear(x.float(), torch.cat(weights).float(), bias.float())  # the exact sums, in fp32
-    out = linear(x, weights, bias)
-    assert out.dtype == dtype and out.shape == expected.shape
-    # fp32: sums in another order; bf16: each output rounded once to bf16 (8 bits), as torch's bf16 product does
-    tolerance = dict(atol=2e-4 * in_features ** 0.5, rtol=1e-4) if dtype == torch.float32 else \
-        dict(atol=1e-3 * in_features ** 0.5, rtol=2 ** -8)
-    torch.testing.assert_close(out.float(), expected, **tolerance)
-    torch.testing.assert_close(linear(x, weights[:1], None).float(), F.linear(x.float(), weights[0].float()),
-                               **tolerance)
+    x, weights, bias = product_case(count, features, dtype)
+    assert_product(linear(x, weights, bias), x, weights, bias)
+    assert_product(linear(x, weights[:1], None), x, weights[:1], None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from product_cases import assert_product, product_case
 
 from hf_eagle31.backends.cpu import routes, rows
 from hf_eagle31.backends.cpu.rows import MAX_ROWS, bf16_kernel, rows_kernel
@@ -31,24 +32,10 @@ DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 # weights read side by side; a weight row at a time; 7-16 rows in groups of up to 6; all with the L1 prefetch
 @pytest.mark.parametrize("ways", [0, 0xFFFF << 16, 0xFFFF << 32, -1])
 def test_the_kernel_computes_torchs_product(rows, features, dtype, ways):
-    in_features, out_features = features
-    torch.manual_seed(rows)
-    x = torch.randn(2, rows, in_features).to(dtype)  # leading dimensions kept
-    weights = [torch.randn(out_features, in_features).to(dtype), torch.randn(5, in_features).to(dtype)]
-    bias = torch.randn(out_features + 5).to(dtype)
-    expected = F.linear(x[:1].float(), torch.cat(weights).float(), bias.float())  # the exact sums, in fp32
-    out = torch.ops.hf_eagle31_rows.linear(x[:1], weights, bias, ways)
-    alone = torch.ops.hf_eagle31_rows.linear(x[:1], weights[:1], None, ways)
-    assert out.dtype == alone.dtype == dtype and out.shape == expected.shape
-    # fp32: sums in another order; bf16: each output rounded once to bf16 (8 bits), as torch's bf16 product does
-    tolerance = dict(atol=2e-4 * in_features ** 0.5, rtol=1e-4) if dtype == torch.float32 else \
-        dict(atol=1e-3 * in_features ** 0.5, rtol=2 ** -8)
-    torch.testing.assert_close(out.float(), expected, **tolerance)
-    torch.testing.assert_close(alone.float(), F.linear(x[:1].float(), weights[0].float()), **tolerance)
-    if dtype == torch.bfloat16:  # and as close to the exact sums as torch's own bf16 product
-        ours = (out.float() - expected).abs().max()
-        torchs = (F.linear(x[:1], torch.cat(weights), bias).float() - expected).abs().max()
-        assert ours <= 2 * torchs + 1e-6
+    x, weights, bias = product_case(rows, features, dtype)
+    x = x[:1]
+    assert_product(torch.ops.hf_eagle31_rows.linear(x, weights, bias, ways), x, weights, bias)
+    assert_product(torch.ops.hf_eagle31_rows.linear(x, weights[:1], None, ways), x, weights[:1], None)
 
 
 @needs_kernel
