@@ -82,7 +82,7 @@ def test_amx_gives_a_row_the_same_bits_in_every_block():
 @needs_kernel
 def test_the_kernel_refuses_what_it_cannot_multiply():
     x = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match="fp32 input"):
+    with pytest.raises(RuntimeError, match="fp32( or bf16)? input expected, got Double"):
         torch.ops.hf_eagle31_rows.linear(x.double(), [torch.randn(4, 8)], None)
     with pytest.raises(RuntimeError, match="8 input features"):
         torch.ops.hf_eagle31_rows.linear(x, [torch.randn(4, 9)], None)

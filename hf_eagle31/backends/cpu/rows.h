@@ -13,49 +13,103 @@
 
 namespace hf_eagle31_rows {
 
-// The first `left` lanes of a vector, all 16 where at least that many are left: a loop's last vector over n values.
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+// 16 fp32 lanes, what attention and the whole forward compute on (one AVX-512 vector); a `Mask` names lanes by its
+// bits.
+using Vec = __m512;
+using Mask = __mmask16;
+
+inline Vec zero16() { return _mm512_setzero_ps(); }
+inline Vec set16(float a) { return _mm512_set1_ps(a); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c
+inline Vec max16(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // b where either is a NaN
+inline Vec keep(Mask m, Vec a) { return _mm512_maskz_mov_ps(m, a); }  // the lanes of m, zero elsewhere
+inline Vec select(Mask m, Vec a, Vec b) { return _mm512_mask_mov_ps(b, m, a); }  // a in the lanes of m, else b
+inline Mask nans(Vec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+inline Mask equals(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline float max_of(Vec a) { return _mm512_reduce_max_ps(a); }
+
+// The sum of a vector's 16 lanes: lane i plus lane i + 8, those pairs' i plus i + 4, then i + 2, then i + 1 (the
+// order of GCC's _mm512_reduce_add_ps, spelled out so that `sums16` and every compiler sum alike).
+inline float sum16(Vec a) {
+  const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
+}
+
+// `sum16` of each of a[0..15], lane j the sum of a[j]: the same pairs added in the same order, but a pair of each
+// of several vectors in one instruction (46 instructions for 16 sums, against about 9 a sum one at a time).
+inline Vec sums16(const Vec (&a)[16]) {
+  __m512 c[8], e[4], f[2];
+  for (int p = 0; p < 8; ++p)  // lanes 0-7: a[2p]'s i + i + 8; lanes 8-15: a[2p + 1]'s
+    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int q = 0; q < 4; ++q)  // block b: a[4q + b]'s four pairs of those
+    e[q] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0xDD));
+  for (int r = 0; r < 2; ++r) {  // block b: a[8r + b]'s two pairs, then a[8r + 4 + b]'s
+    const __m512d x = _mm512_castps_pd(e[2 * r]), y = _mm512_castps_pd(e[2 * r + 1]);
+    f[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 g = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4b + c: a[4c + b]
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g);
+}
 
 // The lanes of `m` (all 16 by default) of T at p as fp32; a bf16 is the top half of the fp32 with the same bits.
-inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 m = 0xFFFF) {
+inline Vec load16(const float* p, Mask m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
+inline Vec load16(const at::BFloat16* p, Mask m = 0xFFFF) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 // Each lane's bf16 bits (in its low half), rounded as torch rounds fp32 to bf16: to nearest, ties to even, a NaN
 // to its quiet NaN.
-inline __m512i bf16_bits(__m512 v) {
+inline __m512i bf16_bits(Vec v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
                                             16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_mask_mov_epi32(rounded, nans(v), _mm512_set1_epi32(0x7FC0));
 }
+
+// fp32 lanes rounded to bf16 and back to fp32.
+inline Vec bf16_round(Vec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+
+// fp32 lanes stored as T (the lanes of `m`), rounded as torch rounds.
+inline void store16(float* p, Vec v, Mask m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(at::BFloat16* p, Vec v, Mask m = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
+// The lanes' 2^n (n whole, from -127 on; infinite past 2^127) times p.
+inline Vec times_power_of_two(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }
+inline Vec nearest_whole(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Mask at_least(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+
+// The first `left` lanes of a vector, all 16 where at least that many are left: a loop's last vector over n values.
+inline Mask lanes(int64_t left) { return left >= 16 ? (Mask)0xFFFF : (Mask)((1u << left) - 1); }
 
 // fp32 lanes rounded to T, as a torch operation in T stores its result, and back to fp32.
 template <class T>
-inline __m512 round16(__m512 v) {
+inline Vec round16(Vec v) {
   if constexpr (std::is_same_v<T, float>) return v;
-  else return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
-}
-
-// fp32 lanes stored as T (the lanes of `m`), rounded as torch rounds.
-inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
+  else return bf16_round(v);
 }
 
 // e^x of 16 lanes (relative error ~2e-7): 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
 // series to r^7; exactly 0 below -87.3 (where e^x leaves fp32's normal range), as a masked score's exponent is.
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+inline Vec exp16(Vec x) {
+  const Vec n = nearest_whole(mul(x, set16(1.44269504088896341f)));
+  Vec r = fmadd(n, set16(-0.693145751953125f), x);
+  r = fmadd(n, set16(-1.428606765330187e-06f), r);
+  Vec p = set16(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fmadd(p, r, set16(c));
+  return keep(at_least(x, set16(-87.3f)), times_power_of_two(p, n));
 }
 
 // The threads of one parallel region that each run a whole forward (rows_step.cpp), splitting its products and
@@ -85,7 +139,14 @@ std::vector<Weights> held_weights(at::IntArrayRef keys);  // under one lock: a f
 // product's `key`, where not -1, name it in the error, composed only on failure).
 int64_t features_of(at::TensorList weights, int64_t K, at::ScalarType dtype, const char* who, int64_t key = -1);
 
-// x [M, K] times `weights` into out [M, features] (both contiguous, x in the weights' dtype).
+// x [..., K] times each of `weights` [N_i, K] (contiguous, in x's dtype), side by side in the output's last
+// dimension, plus bias [sum N_i]: the library's `linear` (rows_held.cpp), checked. `ways`: how the AVX-512 kernel
+// reads the weights at each row count (rows_linear.cpp; the same sums every way).
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>& bias, int64_t ways);
+
+// What the kernel (rows_linear.cpp) computes: whether it multiplies bf16 too; x [M, K] times `weights` into out
+// [M, features] (both contiguous, x in the weights' dtype).
+bool multiplies_bf16();
 void product_into(const at::Tensor& x, const Weights& weights, at::Tensor& out, int64_t ways);
 
 // `product_into`'s part that is this thread's (`Team::share` of its blocks of weight rows), every thread of the team

@@ -1,7 +1,7 @@
 """Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16), built once
-per machine and compiler (rows_linear.cpp), and in the same library the attention of a few query rows over a cache
-(rows_attention.cpp: a one-token step's, `lean._attention`) and a Llama-family forward of a few tokens a row whole
-(rows_step.cpp: `lean._whole_step`), an EAGLE drafter's too (`draft.whole_forward`).
+per machine and compiler (rows_linear.cpp; rows_held.cpp its ops), and in the same library the attention of a few
+query rows over a cache (rows_attention.cpp: a one-token step's, `lean._attention`) and a Llama-family forward of a
+few tokens a row whole (rows_step.cpp: `lean._whole_step`), an EAGLE drafter's too (`draft.whole_forward`).
 
 Why: on a CPU a decoding step multiplies 1 row, and a verify forward 2-16 rows, by every weight of the target, so a
 step is bound by streaming the weights. torch's fp32 path (MKL) and oneDNN's reordered copies compute the rows while
@@ -66,7 +66,7 @@ class Build:
 
 
 ROWS = Build("hf_eagle31_rows", "AVX512", tuple(Path(__file__).with_name(name) for name in (
-    "rows_linear.cpp", "rows_attention.cpp", "rows_step.cpp")), Path(__file__).with_name("rows.h"))
+    "rows_held.cpp", "rows_linear.cpp", "rows_attention.cpp", "rows_step.cpp")), Path(__file__).with_name("rows.h"))
 AVX2 = Build("hf_eagle31_avx2", "AVX2", (Path(__file__).with_name("rows_avx2.cpp"),))
 
 logger = logging.getLogger(__name__)

@@ -22,76 +22,45 @@
 
 namespace {
 
-using hf_eagle31_rows::exp16;
-using hf_eagle31_rows::lanes;
-using hf_eagle31_rows::load16;
+using namespace hf_eagle31_rows;  // the vectors (rows.h)
 
 constexpr int MAX_DIM = 256;  // head dims up to this, in steps of 16 (a vector)
 
 bool attends(int64_t head_dim) { return head_dim % 16 == 0 && head_dim <= MAX_DIM; }
 
-// The sum of a vector's 16 lanes: lane i plus lane i + 8, those pairs' i plus i + 4, then i + 2, then i + 1 (the
-// order of GCC's _mm512_reduce_add_ps, spelled out so that `sums16` and every compiler sum alike).
-inline float sum16(__m512 a) {
-  const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
-  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
-}
-
-// `sum16` of each of a[0..15], lane j the sum of a[j]: the same pairs added in the same order, but a pair of each
-// of several vectors in one instruction (46 instructions for 16 sums, against about 9 a sum one at a time).
-inline __m512 sums16(const __m512 (&a)[16]) {
-  __m512 c[8], e[4], f[2];
-  for (int p = 0; p < 8; ++p)  // lanes 0-7: a[2p]'s i + i + 8; lanes 8-15: a[2p + 1]'s
-    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
-  for (int q = 0; q < 4; ++q)  // block b: a[4q + b]'s four pairs of those
-    e[q] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0xDD));
-  for (int r = 0; r < 2; ++r) {  // block b: a[8r + b]'s two pairs, then a[8r + 4 + b]'s
-    const __m512d x = _mm512_castps_pd(e[2 * r]), y = _mm512_castps_pd(e[2 * r + 1]);
-    f[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 g = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4b + c: a[4c + b]
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g);
-}
-
 // Each key's score s[j] = qv . k[j] (the query already scaled; `mask` [L] added, if any) for keys [L, D] (rows `ks`
 // apart); returns the highest.
 template <class T>
-float score(const __m512* qv, int64_t vectors, const T* k, int64_t ks, const T* mask, int64_t L, float* s) {
-  __m512 tops = _mm512_set1_ps(-INFINITY);
+float score(const Vec* qv, int64_t vectors, const T* k, int64_t ks, const T* mask, int64_t L, float* s) {
+  Vec tops = set16(-INFINITY);
   int64_t j = 0;
   if (vectors <= 8) {  // 16 keys at a time, summed together (`sums16`); 16 sums and the query in registers
     for (; j + 16 <= L; j += 16) {
-      __m512 acc[16];
+      Vec acc[16];
 #pragma GCC unroll 16
-      for (int c = 0; c < 16; ++c) acc[c] = _mm512_setzero_ps();
+      for (int c = 0; c < 16; ++c) acc[c] = zero16();
       for (int64_t d = 0; d < vectors; ++d)
 #pragma GCC unroll 16
-        for (int c = 0; c < 16; ++c) acc[c] = _mm512_fmadd_ps(qv[d], load16(k + (j + c) * ks + 16 * d), acc[c]);
-      __m512 sixteen = sums16(acc);
-      if (mask) sixteen = _mm512_add_ps(sixteen, load16(mask + j));
-      _mm512_storeu_ps(s + j, sixteen);
-      tops = _mm512_max_ps(sixteen, tops);  // a NaN score is passed over, as std::max(top, s) below passes it
+        for (int c = 0; c < 16; ++c) acc[c] = fmadd(qv[d], load16(k + (j + c) * ks + 16 * d), acc[c]);
+      Vec sixteen = sums16(acc);
+      if (mask) sixteen = add(sixteen, load16(mask + j));
+      store16(s + j, sixteen);
+      tops = max16(sixteen, tops);  // a NaN score is passed over, as std::max(top, s) below passes it
     }
   }
   const int64_t summed = j;
   for (; j + 4 <= L; j += 4) {  // four keys at a time: four independent sums in flight
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    Vec acc[4] = {zero16(), zero16(), zero16(), zero16()};
     for (int64_t d = 0; d < vectors; ++d)
-      for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(qv[d], load16(k + (j + c) * ks + 16 * d), acc[c]);
+      for (int c = 0; c < 4; ++c) acc[c] = fmadd(qv[d], load16(k + (j + c) * ks + 16 * d), acc[c]);
     for (int c = 0; c < 4; ++c) s[j + c] = sum16(acc[c]);
   }
   for (; j < L; ++j) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < vectors; ++d) acc = _mm512_fmadd_ps(qv[d], load16(k + j * ks + 16 * d), acc);
+    Vec acc = zero16();
+    for (int64_t d = 0; d < vectors; ++d) acc = fmadd(qv[d], load16(k + j * ks + 16 * d), acc);
     s[j] = sum16(acc);
   }
-  float top = _mm512_reduce_max_ps(tops);
+  float top = max_of(tops);
   for (j = summed; j < L; ++j) {
     if (mask) s[j] += static_cast<float>(mask[j]);
     top = std::max(top, s[j]);
@@ -104,15 +73,14 @@ float score(const __m512* qv, int64_t vectors, const T* k, int64_t ks, const T* 
 template <class T>
 float softmax_weights(const T* q, const T* k, int64_t ks, const T* mask, int64_t L, int64_t D, float scale, float* s) {
   const int64_t vectors = D / 16;
-  __m512 qv[MAX_DIM / 16];
-  for (int64_t d = 0; d < vectors; ++d) qv[d] = _mm512_mul_ps(load16(q + 16 * d), _mm512_set1_ps(scale));
+  Vec qv[MAX_DIM / 16];
+  for (int64_t d = 0; d < vectors; ++d) qv[d] = mul(load16(q + 16 * d), set16(scale));
   const float top = score(qv, vectors, k, ks, mask, L, s);
-  __m512 total = _mm512_setzero_ps();
+  Vec total = zero16();
   for (int64_t j = 0; j < L; j += 16) {
-    const __m512 e =
-        _mm512_maskz_mov_ps(lanes(L - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
-    _mm512_storeu_ps(s + j, e);
-    total = _mm512_add_ps(total, e);
+    const Vec e = keep(lanes(L - j), exp16(sub(load16(s + j), set16(top))));
+    store16(s + j, e);
+    total = add(total, e);
   }
   s[L] = 0.f;
   return sum16(total);
@@ -120,11 +88,10 @@ float softmax_weights(const T* q, const T* k, int64_t ks, const T* mask, int64_t
 
 // A row's weighted values, its even and odd keys' sums [D / 16 vectors], over its weights' `sum`, into `out` [D].
 template <class T>
-void store_row(const __m512* even, const __m512* odd, int64_t vectors, float sum, T* out) {
+void store_row(const Vec* even, const Vec* odd, int64_t vectors, float sum, T* out) {
   alignas(64) float row[MAX_DIM];
-  const __m512 total = _mm512_set1_ps(sum);
-  for (int64_t d = 0; d < vectors; ++d)
-    _mm512_store_ps(row + 16 * d, _mm512_div_ps(_mm512_add_ps(even[d], odd[d]), total));
+  const Vec total = set16(sum);
+  for (int64_t d = 0; d < vectors; ++d) store16(row + 16 * d, div(add(even[d], odd[d]), total));
   for (int64_t d = 0; d < 16 * vectors; ++d) out[d] = static_cast<T>(row[d]);
 }
 
@@ -135,18 +102,18 @@ void store_row(const __m512* even, const __m512* odd, int64_t vectors, float sum
 // attention alone 1.05-1.08x over cached keys (AMD EPYC).
 template <class T, int VEC, int ROWS>
 void weigh(const float* const* s, const float* sums, const T* v, int64_t vs, int64_t L, T* const* out) {
-  __m512 even[ROWS][VEC], odd[ROWS][VEC];
+  Vec even[ROWS][VEC], odd[ROWS][VEC];
   for (int r = 0; r < ROWS; ++r)
-    for (int d = 0; d < VEC; ++d) even[r][d] = odd[r][d] = _mm512_setzero_ps();
+    for (int d = 0; d < VEC; ++d) even[r][d] = odd[r][d] = zero16();
   for (int64_t j = 0; j < L; j += 2) {
     const T* next = v + std::min(j + 1, L - 1) * vs;  // an odd count's last pair weighs a zero: its last row again
 #pragma GCC unroll 8
     for (int d = 0; d < VEC; ++d) {
-      const __m512 ve = load16(v + j * vs + 16 * d), vo = load16(next + 16 * d);
+      const Vec ve = load16(v + j * vs + 16 * d), vo = load16(next + 16 * d);
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) {
-        even[r][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), ve, even[r][d]);
-        odd[r][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j + 1]), vo, odd[r][d]);
+        even[r][d] = fmadd(set16(s[r][j]), ve, even[r][d]);
+        odd[r][d] = fmadd(set16(s[r][j + 1]), vo, odd[r][d]);
       }
     }
   }
@@ -157,14 +124,14 @@ void weigh(const float* const* s, const float* sums, const T* v, int64_t vs, int
 template <class T>
 void weigh_any(const float* s, float sum, const T* v, int64_t vs, int64_t L, int64_t D, T* out) {
   const int64_t vectors = D / 16;
-  __m512 even[MAX_DIM / 16], odd[MAX_DIM / 16];
-  for (int64_t d = 0; d < vectors; ++d) even[d] = odd[d] = _mm512_setzero_ps();
+  Vec even[MAX_DIM / 16], odd[MAX_DIM / 16];
+  for (int64_t d = 0; d < vectors; ++d) even[d] = odd[d] = zero16();
   for (int64_t j = 0; j < L; j += 2) {
-    const __m512 e = _mm512_set1_ps(s[j]), o = _mm512_set1_ps(s[j + 1]);
+    const Vec e = set16(s[j]), o = set16(s[j + 1]);
     const T* next = v + std::min(j + 1, L - 1) * vs;
     for (int64_t d = 0; d < vectors; ++d) {
-      even[d] = _mm512_fmadd_ps(e, load16(v + j * vs + 16 * d), even[d]);
-      odd[d] = _mm512_fmadd_ps(o, load16(next + 16 * d), odd[d]);
+      even[d] = fmadd(e, load16(v + j * vs + 16 * d), even[d]);
+      odd[d] = fmadd(o, load16(next + 16 * d), odd[d]);
     }
   }
   store_row(even, odd, vectors, sum, out);

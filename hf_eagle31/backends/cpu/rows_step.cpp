@@ -28,11 +28,7 @@
 
 namespace {
 
-using hf_eagle31_rows::exp16;
-using hf_eagle31_rows::lanes;
-using hf_eagle31_rows::load16;
-using hf_eagle31_rows::round16;
-using hf_eagle31_rows::store16;
+using namespace hf_eagle31_rows;  // the vectors (rows.h)
 
 // f(j, lanes) over 0..n in vectors of 16, the last one masked to what is left.
 template <class F>
@@ -43,15 +39,15 @@ inline void by16(int64_t n, F f) {
 // transformers' Llama RMSNorm of one row: x over its root mean square in fp32, rounded to T, times the weight.
 template <class T>
 void rms_norm(const T* x, const T* weight, int64_t H, float eps, T* out) {
-  __m512 squares = _mm512_setzero_ps();
-  by16(H, [&](int64_t j, __mmask16 m) {
-    const __m512 v = load16(x + j, m);
-    squares = _mm512_fmadd_ps(v, v, squares);
+  Vec squares = zero16();
+  by16(H, [&](int64_t j, Mask m) {
+    const Vec v = load16(x + j, m);
+    squares = fmadd(v, v, squares);
   });
-  const __m512 inverse = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps));
-  by16(H, [&](int64_t j, __mmask16 m) {
-    const __m512 normed = round16<T>(_mm512_mul_ps(load16(x + j, m), inverse));
-    store16(out + j, _mm512_mul_ps(load16(weight + j, m), normed), m);
+  const Vec inverse = set16(1.0f / std::sqrt(sum16(squares) / static_cast<float>(H) + eps));
+  by16(H, [&](int64_t j, Mask m) {
+    const Vec normed = round16<T>(mul(load16(x + j, m), inverse));
+    store16(out + j, mul(load16(weight + j, m), normed), m);
   });
 }
 
@@ -59,12 +55,11 @@ void rms_norm(const T* x, const T* weight, int64_t H, float eps, T* out) {
 template <class T>
 void turn(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
   const int64_t half = D / 2;
-  by16(half, [&](int64_t j, __mmask16 m) {
-    const __m512 x1 = load16(x + j, m), x2 = load16(x + half + j, m);
-    const __m512 first = _mm512_sub_ps(round16<T>(_mm512_mul_ps(x1, load16(cos + j, m))),
-                                       round16<T>(_mm512_mul_ps(x2, load16(sin + j, m))));
-    const __m512 second = _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, load16(cos + half + j, m))),
-                                        round16<T>(_mm512_mul_ps(x1, load16(sin + half + j, m))));
+  by16(half, [&](int64_t j, Mask m) {
+    const Vec x1 = load16(x + j, m), x2 = load16(x + half + j, m);
+    const Vec first = sub(round16<T>(mul(x1, load16(cos + j, m))), round16<T>(mul(x2, load16(sin + j, m))));
+    const Vec second = add(round16<T>(mul(x2, load16(cos + half + j, m))),
+                           round16<T>(mul(x1, load16(sin + half + j, m))));
     store16(out + j, first, m);
     store16(out + half + j, second, m);
   });
@@ -74,17 +69,17 @@ void turn(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
 // out at the first of them), silu(g) = g / (1 + e^-g).
 template <class T>
 void gate(const T* gate_up, int64_t I, int64_t count, T* out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  by16(count, [&](int64_t j, __mmask16 m) {
-    const __m512 g = load16(gate_up + j, m);
-    const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-    store16(out + j, _mm512_mul_ps(silu, load16(gate_up + I + j, m)), m);
+  const Vec one = set16(1.0f);
+  by16(count, [&](int64_t j, Mask m) {
+    const Vec g = load16(gate_up + j, m);
+    const Vec silu = round16<T>(div(g, add(one, exp16(sub(zero16(), g)))));
+    store16(out + j, mul(silu, load16(gate_up + I + j, m)), m);
   });
 }
 
 template <class T>
 void add_into(T* x, const T* y, int64_t n) {
-  by16(n, [&](int64_t j, __mmask16 m) { store16(x + j, _mm512_add_ps(load16(x + j, m), load16(y + j, m)), m); });
+  by16(n, [&](int64_t j, Mask m) { store16(x + j, add(load16(x + j, m), load16(y + j, m)), m); });
 }
 
 // Each row of x [rows, F] normed in equal parts, one norm a part (`norms`, `eps`), into out.
@@ -550,19 +545,20 @@ std::tuple<at::Tensor, at::Tensor> draft_step(const at::Tensor& embeds, const at
 // The index of the largest of V fp32 scores as torch's argmax finds it: the first of equal largest ones (-0 equal to
 // 0), the first NaN where there is one.
 int64_t argmax_of(const float* x, int64_t V) {
-  const __m512 none = _mm512_set1_ps(-INFINITY);
-  __m512 largest = none;
-  __mmask16 nan = 0;
+  const Vec none = set16(-INFINITY);
+  Vec largest = none;
+  Mask nan = 0;
   for (int64_t j = 0; j < V && !nan; j += 16) {
-    const __m512 v = _mm512_mask_loadu_ps(none, lanes(V - j), x + j);
-    nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    largest = _mm512_max_ps(largest, v);
+    const Mask m = lanes(V - j);
+    const Vec v = select(m, load16(x + j, m), none);
+    nan = nans(v);
+    largest = max16(largest, v);
   }
   if (nan) return std::find_if(x, x + V, [](float v) { return std::isnan(v); }) - x;
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
+  const Vec top = set16(max_of(largest));
   for (int64_t j = 0;; j += 16) {
-    const __mmask16 m = lanes(V - j);
-    const __mmask16 equal = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + j), top, _CMP_EQ_OQ);
+    const Mask m = lanes(V - j);
+    const Mask equal = equals(load16(x + j, m), top) & m;
     if (equal) return j + __builtin_ctz(equal);
   }
 }
