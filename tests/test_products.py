@@ -177,14 +177,14 @@ def test_models_the_backend_cannot_serve_are_left_to_the_default_one():
     assert not can_pack(target)
 
 
-def test_bf16_is_served_where_onednn_or_the_avx2_products_multiply_it(monkeypatch):
+def test_bf16_is_served_where_onednn_or_the_rows_kernel_multiply_it(monkeypatch):
     """On a CPU without AVX-512 oneDNN does not compute bf16, and bf16 models were left to torch's products (a third
-    of the memory's rate): the AVX2 products multiply them at its rate."""
+    of the memory's rate): the rows library's AVX2 kernel multiplies them at its rate."""
     target = make_target(dtype=torch.bfloat16)
     monkeypatch.setattr(cpu_products, "fast_bf16", lambda device: False)
     monkeypatch.setattr(routes, "available", lambda dtype: ("torch",))
     assert not can_pack(target)
-    monkeypatch.setattr(routes, "available", lambda dtype: ("avx2", "torch"))
+    monkeypatch.setattr(routes, "available", lambda dtype: ("rows", "torch"))
     assert can_pack(target)
 
 

@@ -51,7 +51,7 @@ def rows_layout(dtype: torch.dtype) -> bool:
 
 def can_pack(model: nn.Module) -> bool:
     """Whether the model's products can be held here: a CPU model in fp32 or bf16 (where oneDNN runs bf16, or the
-    AVX2 products multiply it: rows.py) whose weights are all in memory (not offloaded by accelerate, which moves
+    rows kernel multiplies it: rows.py) whose weights are all in memory (not offloaded by accelerate, which moves
     them in and out around each forward)."""
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
@@ -60,7 +60,7 @@ def can_pack(model: nn.Module) -> bool:
         return False
     if any(hasattr(module, "_hf_hook") for module in model.modules()):
         return False
-    return weight.dtype != torch.bfloat16 or fast_bf16(weight.device) or "avx2" in routes.available(torch.bfloat16)
+    return weight.dtype != torch.bfloat16 or fast_bf16(weight.device) or "rows" in routes.available(torch.bfloat16)
 
 
 _KEYS = itertools.count(1)

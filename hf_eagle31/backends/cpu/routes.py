@@ -11,7 +11,7 @@ the cache, bf16 rows up to 10% slower) and whether 2-16 bf16 rows go to AMX's ti
 Xeon 1.1-1.27x one row's time, where the vector kernel took up to 3x and oneDNN's AMX product 1.2-1.28x), measured as
 implementations of their own ("rows_near", "rows_single", "rows_single_near", "rows_narrow", "rows_narrow_near",
 "rows_amx") at 1-16 rows (7-16 for the groups, which are the same below; 2-16 for AMX); on a CPU without AVX-512, the
-products built for AVX2 ("avx2", rows_avx2.cpp) against torch's and oneDNN's. The first process that needs a
+kernel built for AVX2 (rows_avx2.cpp: "rows" alone) against torch's and oneDNN's. The first process that needs a
 dtype's routes times every implementation at every row count on a stream of weights of eight last-level caches
 (`workload`), from memory as a decoding step streams them, and writes the fastest per row count into the kernel's build
 folder (keyed by CPU, compiler and torch: rows.build_key) for the thread count it ran with; other processes read it.
@@ -46,10 +46,9 @@ from hf_eagle31.backends.cpu.rows import MAX_ROWS
 
 # the kernel, its weights read side by side or a row at a time ("single"), or 7-16 rows in groups of up to 6
 # ("narrow"), without and with its L1 prefetch ("near"), or 2-16 bf16 rows on AMX's tiles ("amx"); F.linear; oneDNN's
-# product over its reordered copy; on a CPU without AVX-512, the AVX2 products (rows.avx2_kernel), which the rows
-# library's one-call forwards do not use (`on_kernel` is False there)
+# product over its reordered copy; on a CPU without AVX-512, the library's AVX2 kernel is "rows" alone (one way)
 KERNEL = ("rows", "rows_near", "rows_single", "rows_single_near", "rows_narrow", "rows_narrow_near", "rows_amx")
-IMPLEMENTATIONS = (*KERNEL, "avx2", "torch", "onednn")
+IMPLEMENTATIONS = (*KERNEL, "torch", "onednn")
 SINGLE_BITS = 16  # `ways`: bit r - 1 for r rows near, bit SINGLE_BITS + r - 1 single (rows_linear.cpp)
 NARROW_BITS = 32  # bit NARROW_BITS + r - 1: r rows in groups of up to 6 (rows_linear.cpp)
 AMX_BITS = 48  # bit AMX_BITS + r - 2: 2-16 rows on AMX (rows_linear.cpp; 16 rows' bit is the int64's last but one)
@@ -84,8 +83,6 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tenso
     how = route(x.numel() // x.shape[-1], x.dtype)
     if how in KERNEL:
         return torch.ops.hf_eagle31_rows.linear(x, weights, bias, ways(x.dtype))
-    if how == "avx2":
-        return torch.ops.hf_eagle31_avx2.linear(x, weights, bias)
     if how == "onednn" and packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     out = torch.cat([F.linear(x, weight) for weight in weights], dim=-1)
@@ -161,8 +158,8 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     amx = kernel and dtype == torch.bfloat16 and rows.amx_kernel()
     onednn = torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    avx2 = dtype in (torch.float32, torch.bfloat16) and rows.avx2_kernel()
-    usable = {**dict.fromkeys(KERNEL, kernel), "rows_amx": amx, "avx2": avx2, "torch": True, "onednn": onednn}
+    usable = {**dict.fromkeys(KERNEL, kernel and rows.reads_ways()), "rows": kernel, "rows_amx": amx, "torch": True,
+              "onednn": onednn}
     return tuple(name for name in IMPLEMENTATIONS if usable[name])
 
 
@@ -245,20 +242,17 @@ def choose(seconds: dict[str, list[float]], copy: float = 0.0) -> tuple[str, ...
     more than `OFF_KERNEL_MARGIN`: a product off the kernel also takes the model's forward off the rows library's
     one-call step (rows_step.cpp) to an operation at a time. On an Intel Xeon MKL's one-row fp32 product, timed 1%
     faster than the kernel (35.2 against 35.5 ms, a run earlier 35.3 against 34.6), halved `fast_decoding` (SmolLM2:
-    26.0 against 51.5 tokens/s). The AVX2 products (no one-call step) take the same margin: off them a layer's
-    packed product (q/k/v, gate/up) is a call a member and a concatenation, and with AVX-512 masked on that Xeon
-    MKL's one-row product, timed 0.5% faster (36.7 against 36.9 ms), made `fast_decoding`'s step 1-8% slower."""
+    26.0 against 51.5 tokens/s)."""
     plain = [name for name in seconds if name != "onednn"]
     if plain and "onednn" in seconds:
         best_plain = [min(seconds[name][index] for name in plain) for index in range(MAX_ROWS)]
         saved = (sum(best_plain) - sum(seconds["onednn"][:MAX_ROWS])) / MAX_ROWS  # a step, on oneDNN's product
         if PAYBACK_STEPS * saved <= copy:
             seconds = {name: seconds[name] for name in plain}
-    own = (*KERNEL, "avx2")
-    kernel = any(name in own for name in seconds)
+    kernel = any(name in KERNEL for name in seconds)
 
     def charged(name: str, index: int) -> float:
-        off = kernel and name not in own and index < MAX_ROWS
+        off = kernel and name not in KERNEL and index < MAX_ROWS
         return seconds[name][index] * (1 + OFF_KERNEL_MARGIN) if off else seconds[name][index]
 
     return tuple(min(seconds, key=lambda name: charged(name, index)) for index in range(len(COUNTS)))
@@ -341,8 +335,6 @@ def _time(name: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor
     if name in KERNEL:
         first = 1 if name == "rows_amx" else 0  # one row's bit of the AMX way is another way's
         torch.ops.hf_eagle31_rows.linear(x, [weight], None, sum(_way_of(name) << i for i in range(first, MAX_ROWS)))
-    elif name == "avx2":
-        torch.ops.hf_eagle31_avx2.linear(x, [weight], None)
     elif name == "onednn":
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     else:

@@ -1,7 +1,8 @@
-"""Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16), built once
-per machine and compiler (rows_linear.cpp; rows_held.cpp its ops), and in the same library the attention of a few
-query rows over a cache (rows_attention.cpp: a one-token step's, `lean._attention`) and a Llama-family forward of a
-few tokens a row whole (rows_step.cpp: `lean._whole_step`), an EAGLE drafter's too (`draft.whole_forward`).
+"""Products of a few rows on a linear layer's own weights (fp32, and bf16 where the CPU has AVX512-BF16 or AVX2 alone),
+built once per machine and compiler (rows_linear.cpp, or rows_avx2.cpp; rows_held.cpp their ops), and in the same
+library the attention of a few query rows over a cache (rows_attention.cpp: a one-token step's, `lean._attention`)
+and a Llama-family forward of a few tokens a row whole (rows_step.cpp: `lean._whole_step`), an EAGLE drafter's too
+(`draft.whole_forward`).
 
 Why: on a CPU a decoding step multiplies 1 row, and a verify forward 2-16 rows, by every weight of the target, so a
 step is bound by streaming the weights. torch's fp32 path (MKL) and oneDNN's reordered copies compute the rows while
@@ -9,8 +10,8 @@ the memory waits, or stream slowly (MKL's one-row GEMV on AMD CPUs); this kernel
 rows and prefetches the next into L2 while it multiplies, on the weights as they are: nothing to pack, no second copy.
 Which of them serves which row count is measured on the machine (routes.py), not assumed.
 
-It is compiled with torch's C++ extension builder (a C++ compiler and ninja) on a CPU with AVX-512, the first time
-a process on the machine asks for it (announced), into a folder keyed by everything the library depends on (its
+It is compiled with torch's C++ extension builder (a C++ compiler and ninja) on a CPU with AVX-512 or AVX2, the first
+time a process on the machine asks for it (announced), into a folder keyed by everything the library depends on (its
 source and flags, the compiler and its version, torch's version, the CPU: `build_key`), under a lock the operating
 system releases when its holder dies. Later processes, from any virtual environment with the same torch and
 compiler, load the finished library directly: torch's builder, called again, rebuilds whenever its command line
@@ -20,10 +21,10 @@ that lock. A thread that asks while another builds computes without the kernel m
 compiler, one that fails) falls back to torch's and oneDNN's products with one warning. Elsewhere `rows_kernel()`
 is False.
 
-A CPU with AVX2 but not AVX-512 (Intel's laptop chips since Alder Lake, AMD's before Zen 4) gets the products alone,
-built the same way from rows_avx2.cpp (`avx2_kernel()`): there MKL's product took 1.6-2.8 one row's time for 2-16
-fp32 rows (the same weights read), so that a verify block cost two decoding steps, and streamed bf16 weights at half
-fp32's rate.
+A CPU with AVX2 but not AVX-512 (Intel's laptop chips since Alder Lake, AMD's before Zen 4) gets the same library
+built for AVX2 (`AVX2`: rows.h's 16-lane vectors as two AVX2 vectors), its products by rows_avx2.cpp's kernel: there
+MKL's product took 1.6-2.8 one row's time for 2-16 fp32 rows (the same weights read), so that a verify block cost two
+decoding steps, and streamed bf16 weights at half fp32's rate.
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ class Build:
         return f"{self.name}.so"
 
 
-ROWS = Build("hf_eagle31_rows", "AVX512", tuple(Path(__file__).with_name(name) for name in (
-    "rows_held.cpp", "rows_linear.cpp", "rows_attention.cpp", "rows_step.cpp")), Path(__file__).with_name("rows.h"))
-AVX2 = Build("hf_eagle31_avx2", "AVX2", (Path(__file__).with_name("rows_avx2.cpp"),))
+def _sources(kernel: str) -> tuple[Path, ...]:
+    return tuple(Path(__file__).with_name(name) for name in ("rows_held.cpp", kernel, "rows_attention.cpp",
+                                                             "rows_step.cpp"))
+
+
+# the same library (ops, attention, whole forwards) on either instruction set, its products by a kernel of each's own
+ROWS = Build("hf_eagle31_rows", "AVX512", _sources("rows_linear.cpp"), Path(__file__).with_name("rows.h"))
+AVX2 = Build("hf_eagle31_rows", "AVX2", _sources("rows_avx2.cpp"), Path(__file__).with_name("rows.h"))
 
 logger = logging.getLogger(__name__)
 _LOADED: list[Build | None] = []  # [the build] once loaded, [None] where none can be; empty until tried
@@ -76,15 +82,15 @@ _BUILDING = threading.Lock()
 
 def rows_kernel() -> bool:
     """Whether the rows library (`torch.ops.hf_eagle31_rows`: products, attention, whole forwards) is loaded: built
-    here if this CPU has AVX-512 and a compiler. False while another thread of this process builds it (that call
-    computes without it, rather than wait)."""
+    here if this CPU has AVX-512, or AVX2, and a compiler. False while another thread of this process builds it (that
+    call computes without it, rather than wait)."""
+    return _loaded() is not None
+
+
+def reads_ways() -> bool:
+    """Whether the loaded library's products read the weights in the ways `routes.ways` chooses among (the AVX-512
+    kernel, rows_linear.cpp); the AVX2 kernel reads them one way."""
     return _loaded() is ROWS
-
-
-def avx2_kernel() -> bool:
-    """Whether the products alone (`torch.ops.hf_eagle31_avx2.linear`) are loaded: built where the CPU has AVX2 but
-    not AVX-512, as `rows_kernel()` is."""
-    return _loaded() is AVX2
 
 
 def for_this_cpu() -> Build | None:
@@ -127,13 +133,13 @@ def warn_if_threads_sleep() -> None:
 
 
 def kernel_decided() -> bool:
-    """Whether `rows_kernel()` and `avx2_kernel()` have their answer (False only while another thread of this process
-    builds)."""
+    """Whether `rows_kernel()` has its answer (False only while another thread of this process builds)."""
     return bool(_LOADED)
 
 
 def bf16_kernel() -> bool:
-    """Whether the loaded kernel multiplies bf16 too (built where the CPU has AVX512-BF16)."""
+    """Whether the loaded kernel multiplies bf16 too (the AVX2 kernel, or the AVX-512 one where the CPU has
+    AVX512-BF16)."""
     return rows_kernel() and torch.ops.hf_eagle31_rows.bf16()
 
 
@@ -141,7 +147,7 @@ def bf16_kernel() -> bool:
 def amx_kernel() -> bool:
     """Whether the loaded kernel multiplies bf16 blocks on AMX's tiles too (built where the CPU has them, and Linux
     lets the process use them)."""
-    return bf16_kernel() and torch.ops.hf_eagle31_rows.amx()
+    return bf16_kernel() and reads_ways() and torch.ops.hf_eagle31_rows.amx()
 
 
 @torch.compiler.assume_constant_result  # traced (`lean._attention`), its answer is a constant of the graph

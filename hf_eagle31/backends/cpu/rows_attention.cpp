@@ -1,7 +1,7 @@
-// The attention of a few query rows over a cache of keys (fp32 or bf16, computed in fp32; AVX-512): a decoding
-// step's, where each query head is one row, and a verify block's computed whole (rows_step.cpp), where each query
-// head of each token is one (there, for EAGLE's blocks of 5 on an AMD EPYC, SDPA took an EAGLE step 0.95-1.04x as
-// long: medians of 3 runs of interleaved rounds).
+// The attention of a few query rows over a cache of keys (fp32 or bf16, computed in fp32 on rows.h's vectors): a
+// decoding step's, where each query head is one row, and a verify block's computed whole (rows_step.cpp), where each
+// query head of each token is one (there, for EAGLE's blocks of 5 on an AMD EPYC, SDPA took an EAGLE step 0.95-1.04x
+// as long: medians of 3 runs of interleaved rounds).
 //
 // Why: torch's SDPA on a CPU (its flash kernel) blocks queries by 32 and keys by 512, so a step's few rows over a
 // few hundred keys take it several times their arithmetic (docs/benchmarks.md: a fifth of a compiled SmolLM2 step's

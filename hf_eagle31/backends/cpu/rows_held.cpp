@@ -1,5 +1,6 @@
 // The weights the rows library holds under each product's key, and its two product ops: `linear` on weights passed in,
-// `product` on those held; the kernel (rows_linear.cpp's `product_into`) multiplies.
+// `product` on those held; whichever kernel multiplies (`product_into`: rows_linear.cpp on a CPU with AVX-512,
+// rows_avx2.cpp on one with AVX2 alone, rows.py building this file with one of them).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
