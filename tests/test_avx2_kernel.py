@@ -60,13 +60,16 @@ def test_bad_input_is_named(linear):
 
 
 # the library's tests that its AVX2 build must pass too (those of the AVX-512 kernel's ways, AMX and the build left out)
-MASKED = [*(f"tests/test_avx2_kernel.py::test_{name}" for name in (
-    "the_products_compute_torchs_product", "a_row_alone_gets_the_bits_it_gets_in_a_block", "bad_input_is_named")),
+MASKED = [
+    *(f"tests/test_avx2_kernel.py::test_{name}" for name in (
+        "the_products_compute_torchs_product", "a_row_alone_gets_the_bits_it_gets_in_a_block", "bad_input_is_named")),
     *(f"tests/test_rows_kernel.py::test_{name}" for name in (
-    "the_kernel_refuses_what_it_cannot_multiply", "a_product_held_under_a_key_is_the_product_of_the_weights_held_there",
-    "the_kernels_attention_computes_torchs", "a_key_scores_the_same_bits_summed_with_fifteen_others_or_alone",
-    "attention_in_a_held_room_writes_the_new_keys_behind_the_cache_and_attends_over_all",
-    "the_kernels_attention_refuses_what_it_cannot_compute", "the_librarys_argmax_picks_the_index_torchs_argmax_picks")),
+        "the_kernel_refuses_what_it_cannot_multiply",
+        "a_product_held_under_a_key_is_the_product_of_the_weights_held_there",
+        "the_kernels_attention_computes_torchs", "a_key_scores_the_same_bits_summed_with_fifteen_others_or_alone",
+        "attention_in_a_held_room_writes_the_new_keys_behind_the_cache_and_attends_over_all",
+        "the_kernels_attention_refuses_what_it_cannot_compute",
+        "the_librarys_argmax_picks_the_index_torchs_argmax_picks")),
     *(f"tests/test_lean.py::test_{name}" for name in (
         "decoding_on_forwards_computed_whole_by_the_rows_library_equals_plain_greedy",
         "fast_decoding_takes_the_lean_forward_one_token_a_step_and_equals_plain_greedy",

@@ -10,8 +10,9 @@
 // limited to AVX2): fp32 1 row 37.8 / 40.2, 2 rows 37.2 / 72.3, 4 rows 43.1 / 77.7, 8 rows 56.3 / 96.6, 16 rows 85.0 /
 // 114.6; bf16 1 row 47.5 / 79.3, 4 rows 69.4 / 182.5, 16 rows 193 / 657. Which serves a row count is measured on the
 // machine (routes.py). A bf16 weight is the top half of the fp32 with the same bits: converted as it is loaded, its
-// sums in fp32, the output rounded to bf16 once. Every output is summed in the same order whatever the group. The
-// library's `ways` name ways of the AVX-512 kernel: here there is one.
+// sums in fp32, the output rounded to bf16 once (bf16 input rows converted once a product: `as_fp32`). Every output
+// is summed in the same order whatever the group. The library's `ways` name ways of the AVX-512 kernel: here there is
+// one.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -35,10 +36,10 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
-// Rows x [Rn, K] times weight rows w [Wn, K] into out (rows `ldo` apart, in T), plus bias (or null); PREFETCH: the
-// weight rows AHEAD on, a cache line at a time.
+// Rows x [Rn, K] (fp32) times weight rows w [Wn, K] into out (rows `ldo` apart, in T), plus bias (or null);
+// PREFETCH: the weight rows AHEAD on, a cache line at a time.
 template <int Rn, int Wn, bool PREFETCH, class T>
-void block(const T* x, const T* w, int64_t K, const float* bias, T* out, int64_t ldo) {
+void block(const float* x, const T* w, int64_t K, const float* bias, T* out, int64_t ldo) {
   constexpr int64_t LINE = 64 / sizeof(T);
   __m256 acc[Rn][Wn];
   for (int r = 0; r < Rn; ++r)
@@ -52,21 +53,21 @@ void block(const T* x, const T* w, int64_t K, const float* bias, T* out, int64_t
         _mm_prefetch(reinterpret_cast<const char*>(w + (c + AHEAD) * K + k), _MM_HINT_T1);
     }
     for (int r = 0; r < Rn; ++r) {
-      const __m256 xv = load8(x + r * K + k);
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (int c = 0; c < Wn; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < Rn; ++r)
     for (int c = 0; c < Wn; ++c) {
       float sum = sum8(acc[r][c]);
-      for (int64_t j = k; j < K; ++j) sum += static_cast<float>(x[r * K + j]) * static_cast<float>(w[c * K + j]);
+      for (int64_t j = k; j < K; ++j) sum += x[r * K + j] * static_cast<float>(w[c * K + j]);
       out[r * ldo + c] = static_cast<T>(bias == nullptr ? sum : sum + bias[c]);
     }
 }
 
 // The `left` rows of x from xm (R at most) times Wn weight rows.
 template <int Wn, bool PREFETCH, class T>
-void group(int64_t left, const T* xm, const T* w, int64_t K, const float* bias, T* om, int64_t ldo) {
+void group(int64_t left, const float* xm, const T* w, int64_t K, const float* bias, T* om, int64_t ldo) {
   if (left >= 3) block<3, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
   else if (left == 2) block<2, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
   else block<1, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
@@ -74,7 +75,7 @@ void group(int64_t left, const T* xm, const T* w, int64_t K, const float* bias, 
 
 // All M rows of x [M, K] times Wn weight rows: groups of R rows, the first prefetching.
 template <int Wn, class T>
-void rows_times(const T* x, int64_t M, const T* w, int64_t K, const float* bias, T* out, int64_t ldo) {
+void rows_times(const float* x, int64_t M, const T* w, int64_t K, const float* bias, T* out, int64_t ldo) {
   for (int64_t m = 0; m < M; m += R) {
     if (m == 0) group<Wn, true>(M, x, w, K, bias, out, ldo);
     else group<Wn, false>(M - m, x + m * K, w, K, bias, out + m * ldo, ldo);
@@ -88,12 +89,23 @@ int64_t blocks_of(at::TensorList weights) {
   return blocks;
 }
 
+// x's rows as fp32: bf16 rows converted once a product (into this thread's buffer), not at every block of weight
+// rows that reads them.
+const float* as_fp32(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  thread_local std::vector<float> converted;
+  converted.resize(x.numel());
+  const at::BFloat16* p = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < x.numel(); ++i) converted[i] = static_cast<float>(p[i]);
+  return converted.data();
+}
+
 // Blocks [begin, end) of the weights times x [M, K] into their columns of out [M, sum N_i], plus bias (or null).
 template <class T>
 void blocks_into(const at::Tensor& x, at::TensorList weights, const float* bias, at::Tensor& out, int64_t begin,
                  int64_t end) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const T* xp = x.data_ptr<T>();  // each tensor's data looked up once, not once a block
+  const float* xp = as_fp32(x);  // each tensor's data looked up once, not once a block
   T* op = out.data_ptr<T>();
   int64_t first = 0, column = 0;  // each weight's first block and first output
   for (const auto& w : weights) {
