@@ -105,21 +105,21 @@ template <class T>
 void blocks_into(const at::Tensor& x, at::TensorList weights, const float* bias, at::Tensor& out, int64_t begin,
                  int64_t end) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* xp = as_fp32(x);  // each tensor's data looked up once, not once a block
+  const float* xp = as_fp32(x);  // each tensor's data and rows looked up once, not once a block
   T* op = out.data_ptr<T>();
   int64_t first = 0, column = 0;  // each weight's first block and first output
   for (const auto& w : weights) {
-    const int64_t blocks = (w.size(0) + W - 1) / W;
+    const int64_t n = w.size(0), blocks = (n + W - 1) / W;
     const T* wp = w.data_ptr<T>();
     for (int64_t b = std::max(begin, first); b < std::min(end, first + blocks); ++b) {
-      const int64_t row = (b - first) * W, rows = std::min<int64_t>(W, w.size(0) - row), at = column + row;
+      const int64_t row = (b - first) * W, rows = std::min<int64_t>(W, n - row), at = column + row;
       const float* bc = bias == nullptr ? nullptr : bias + at;
       if (rows == 3) rows_times<3>(xp, M, wp + row * K, K, bc, op + at, N);
       else if (rows == 2) rows_times<2>(xp, M, wp + row * K, K, bc, op + at, N);
       else rows_times<1>(xp, M, wp + row * K, K, bc, op + at, N);
     }
     first += blocks;
-    column += w.size(0);
+    column += n;
   }
 }
 
