@@ -3,16 +3,25 @@
 // rows_step.cpp in place of rows_linear.cpp).
 //
 // out[m, n] = x[m, :] . w[n, :] in blocks of W = 3 weight rows, each read from memory once for every input row: a
-// block's vectors multiply R = 3 input rows at a time (9 sums, 3 weight vectors and an input vector: 13 of the 16
-// registers), the later groups of rows reading the block again from L1. The first group prefetches the weight rows
-// 16 ahead into L2, so that the memory streams while the block computes: without it 2-8 rows ran 1.2-1.6x slower.
-// Measured on an Intel Xeon with AVX-512 masked (2 threads, 1 GiB of weights, ms), against torch's product (MKL
-// limited to AVX2): fp32 1 row 37.8 / 40.2, 2 rows 37.2 / 72.3, 4 rows 43.1 / 77.7, 8 rows 56.3 / 96.6, 16 rows 85.0 /
-// 114.6; bf16 1 row 47.5 / 79.3, 4 rows 69.4 / 182.5, 16 rows 193 / 657. Which serves a row count is measured on the
-// machine (routes.py). A bf16 weight is the top half of the fp32 with the same bits: converted as it is loaded, its
-// sums in fp32, the output rounded to bf16 once (bf16 input rows converted once a product: `as_fp32`). Every output
-// is summed in the same order whatever the group. The library's `ways` name ways of the AVX-512 kernel: here there is
-// one.
+// block's vectors multiply up to R = 4 input rows at a time (12 sums and 3 weight vectors of the 16 registers, the
+// input vector read by each multiply-add), the later groups of rows reading the block again from L1. More rows are
+// split in groups as even as can be (5 rows as 3 and 2, not 4 and 1): a group of one row has three chains of
+// multiply-adds, each waiting on the last. The first group prefetches the weight rows 16 ahead into L2, so that the
+// memory streams while the block computes: without it 2-8 rows ran 1.2-1.6x slower. Measured on an Intel Xeon with
+// AVX-512 masked (2 threads, 1 GiB of weights, ms), against torch's product (MKL limited to AVX2): fp32 1 row 37.8 /
+// 40.2, 2 rows 37.2 / 72.3, 4 rows 43.1 / 77.7, 8 rows 56.3 / 96.6, 16 rows 85.0 / 114.6; bf16 1 row 47.5 / 79.3, 4
+// rows 69.4 / 182.5, 16 rows 193 / 657. Groups of up to 4 rows against groups of up to 3 (median ratio of 21
+// interleaved timings, with the bf16 steps below): fp32 4 and 7-16 rows 1.07-1.11x as fast (5-6 rows are the same
+// groups), bf16 4, 7, 8 and 10 rows 1.13-1.21x, 5-6 and 12-16 rows 1.02-1.08x, 1-3 rows 1.00-1.06x. Which serves a
+// row count is measured on the machine (routes.py).
+//
+// A bf16 weight is the top half of the fp32 with the same bits. The kernel reads 16 of a row's elements at once and
+// multiplies them as two vectors, the even elements (each 32-bit lane's low half, shifted up) and the odd ones (its
+// high half, the low half cleared): one or two integer operations a vector where widening 8 elements took two, which
+// a verify block's bf16 products, bound by these operations and the multiply-adds, ran 1.02-1.08x faster for. The
+// input rows are converted to fp32 once a product and laid out to match (`as_fp32`), the sums kept in fp32 and the
+// output rounded to bf16 once. Every output is summed in the same order whatever the group. The library's `ways`
+// name ways of the AVX-512 kernel: here there is one.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -23,10 +32,8 @@
 
 namespace {
 
-using hf_eagle31_rows::load8;
-
 constexpr int W = 3;           // weight rows a block
-constexpr int R = 3;           // input rows a group
+constexpr int R = 4;           // input rows a group at most
 constexpr int64_t AHEAD = 16;  // weight rows prefetched (into L2) ahead of those multiplied
 constexpr int64_t GRAIN = 4;   // blocks a thread takes at least
 
@@ -36,26 +43,50 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
-// Rows x [Rn, K] (fp32) times weight rows w [Wn, K] into out (rows `ldo` apart, in T), plus bias (or null);
-// PREFETCH: the weight rows AHEAD on, a cache line at a time.
+// Elements of T `block` multiplies a step: one vector of an fp32 weight row, two of a bf16 one (`part`).
+template <class T>
+constexpr int64_t STEP = 32 / sizeof(T);
+
+// The H-th vector of a weight row's step at p as fp32: fp32 8 elements in a row; bf16 the 8 even elements (H = 0)
+// or the 8 odd ones, whose low halves are cleared by a mask, or where a group of 4 rows leaves no register to hold
+// the mask (CLEAR_BY_SHIFTS), by two shifts.
+template <int H, bool CLEAR_BY_SHIFTS>
+inline __m256 part(const float* p) { return _mm256_loadu_ps(p + 8 * H); }
+template <int H, bool CLEAR_BY_SHIFTS>
+inline __m256 part(const at::BFloat16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (H == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  if (CLEAR_BY_SHIFTS) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(v, 16), 16));
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The H-th vectors of a step at k: Rn rows of x (fp32, in `as_fp32`'s layout) times Wn weight rows, into acc.
+template <int H, int Rn, int Wn, bool PREFETCH, class T>
+inline void multiply_add(const float* x, const T* w, int64_t K, int64_t k, __m256 (&acc)[Rn][Wn]) {
+  constexpr int64_t LINE = 64 / sizeof(T);
+  __m256 wv[Wn];
+  for (int c = 0; c < Wn; ++c) {
+    wv[c] = part<H, (Rn == 4)>(w + c * K + k);
+    if (PREFETCH && H == 0 && (k & (LINE - 1)) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (c + AHEAD) * K + k), _MM_HINT_T1);
+  }
+  for (int r = 0; r < Rn; ++r) {
+    const __m256 xv = _mm256_loadu_ps(x + r * K + k + 8 * H);
+    for (int c = 0; c < Wn; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+  }
+}
+
+// Rows x [Rn, K] (fp32, `as_fp32`) times weight rows w [Wn, K] into out (rows `ldo` apart, in T), plus bias (or
+// null); PREFETCH: the weight rows AHEAD on, a cache line at a time.
 template <int Rn, int Wn, bool PREFETCH, class T>
 void block(const float* x, const T* w, int64_t K, const float* bias, T* out, int64_t ldo) {
-  constexpr int64_t LINE = 64 / sizeof(T);
   __m256 acc[Rn][Wn];
   for (int r = 0; r < Rn; ++r)
     for (int c = 0; c < Wn; ++c) acc[r][c] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[Wn];
-    for (int c = 0; c < Wn; ++c) {
-      wv[c] = load8(w + c * K + k);
-      if (PREFETCH && (k & (LINE - 1)) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (c + AHEAD) * K + k), _MM_HINT_T1);
-    }
-    for (int r = 0; r < Rn; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      for (int c = 0; c < Wn; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
+  for (; k + STEP<T> <= K; k += STEP<T>) {
+    multiply_add<0, Rn, Wn, PREFETCH>(x, w, K, k, acc);
+    if constexpr (STEP<T> == 16) multiply_add<1, Rn, Wn, PREFETCH>(x, w, K, k, acc);
   }
   for (int r = 0; r < Rn; ++r)
     for (int c = 0; c < Wn; ++c) {
@@ -65,20 +96,24 @@ void block(const float* x, const T* w, int64_t K, const float* bias, T* out, int
     }
 }
 
-// The `left` rows of x from xm (R at most) times Wn weight rows.
+// A group of `size` rows of x from xm (1 to R) times Wn weight rows.
 template <int Wn, bool PREFETCH, class T>
-void group(int64_t left, const float* xm, const T* w, int64_t K, const float* bias, T* om, int64_t ldo) {
-  if (left >= 3) block<3, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
-  else if (left == 2) block<2, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
+void group(int64_t size, const float* xm, const T* w, int64_t K, const float* bias, T* om, int64_t ldo) {
+  if (size == 4) block<4, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
+  else if (size == 3) block<3, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
+  else if (size == 2) block<2, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
   else block<1, Wn, PREFETCH>(xm, w, K, bias, om, ldo);
 }
 
-// All M rows of x [M, K] times Wn weight rows: groups of R rows, the first prefetching.
+// All M rows of x [M, K] times Wn weight rows: groups of at most R rows, as even as can be, the first prefetching.
 template <int Wn, class T>
 void rows_times(const float* x, int64_t M, const T* w, int64_t K, const float* bias, T* out, int64_t ldo) {
-  for (int64_t m = 0; m < M; m += R) {
-    if (m == 0) group<Wn, true>(M, x, w, K, bias, out, ldo);
-    else group<Wn, false>(M - m, x + m * K, w, K, bias, out + m * ldo, ldo);
+  const int64_t groups = (M + R - 1) / R;
+  for (int64_t g = 0, m = 0; g < groups; ++g) {
+    const int64_t size = M / groups + (g < M % groups ? 1 : 0);
+    if (m == 0) group<Wn, true>(size, x, w, K, bias, out, ldo);
+    else group<Wn, false>(size, x + m * K, w, K, bias, out + m * ldo, ldo);
+    m += size;
   }
 }
 
@@ -89,14 +124,21 @@ int64_t blocks_of(at::TensorList weights) {
   return blocks;
 }
 
-// x's rows as fp32: bf16 rows converted once a product (into this thread's buffer), not at every block of weight
-// rows that reads them.
+// x's rows as fp32, converted once a product (into this thread's buffer), not at every block of weight rows that
+// reads them: bf16 rows laid out as `part` reads the weights, each step of 16 elements its even elements and then its
+// odd ones (the elements past the last step in order).
 const float* as_fp32(const at::Tensor& x) {
   if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
   thread_local std::vector<float> converted;
+  const int64_t M = x.size(0), K = x.size(1), stepped = K / 16 * 16;
   converted.resize(x.numel());
-  const at::BFloat16* p = x.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < x.numel(); ++i) converted[i] = static_cast<float>(p[i]);
+  for (int64_t m = 0; m < M; ++m) {
+    const at::BFloat16* row = x.data_ptr<at::BFloat16>() + m * K;
+    float* to = converted.data() + m * K;
+    for (int64_t k = 0; k < stepped; k += 16)
+      for (int j = 0; j < 8; ++j) to[k + j] = row[k + 2 * j], to[k + 8 + j] = row[k + 2 * j + 1];
+    for (int64_t k = stepped; k < K; ++k) to[k] = row[k];
+  }
   return converted.data();
 }
 
