@@ -367,6 +367,11 @@ def test_bench_command_on_the_demo_pair(tmp_path, capsys, monkeypatch):
     assert {path: list(curve) for path, curve in line["verify_seconds"].items()} == \
         {path: ["1", "2", "3", "4", "6", "8", "12", "16"] for path in ("default", "cpu backend")}
     printed = capsys.readouterr().out
+    # the shipped shapes' costs and predictions, said to be measured elsewhere (in results.md too)
+    for text in (printed, (out / "results.md").read_text()):
+        before, source, after = text.partition("Draft shapes and costs from each drafter's tuning.json")
+        assert source and "not in this run" in after.split("\n")[0]
+        assert "verify cost t(n)/t(1)" in after and "verify cost t(n)/t(1)" not in before
     assert "**Roofline**: read bandwidth" in printed and "| default | 1.00 | 1.10 | 1.20 | 1.30 | 1.50 |" in printed
     assert f"the floor (a step's weights read once): {line['floor_seconds_per_token'] / 0.01:.2f} t(1)" in printed
     assert "| after the first token | over floor rate |" in (out / "results.md").read_text()

@@ -117,8 +117,11 @@ def headline(results: list[MethodResult], prompts: int, roofline: Roofline | Non
     return lines
 
 
-def tuning_table(tuning: dict[str, dict]) -> str:
-    lines = []
+def tuning_table(tuning: dict[str, dict], source: str | None = None) -> str:
+    """Each drafter's tuning: its verify cost curve and the draft shapes it predicts fastest; `source` says where
+    they were measured (the shipped ones on another machine, perhaps in another dtype: their predicted speedups are
+    not this run's)."""
+    lines = [f"Draft shapes and costs from {source}:"] if source and tuning else []
     for name, report in tuning.items():
         ratios = report["verify_cost_ratio"]
         lines.append(f"**{name}**: verify cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items()))
@@ -203,7 +206,7 @@ def write_results(out_dir: Path, results: list[MethodResult], prompts: int, meta
         datasets = f"\n{datasets}\n"
     floor = f"{roofline_text(roofline, verify_seconds, results)}\n\n" if roofline else ""
     (out_dir / "results.md").write_text(f"{markdown_table(results, prompts, tuning, roofline)}\n{datasets}\n"
-                                        f"{summary}\n{floor}{tuning_table(tuning)}\n")
+                                        f"{summary}\n{floor}{tuning_table(tuning, meta.get('tuning_source'))}\n")
     plot_results(out_dir, results, prompts, tuning)
     return payload
 

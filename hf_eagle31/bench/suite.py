@@ -383,7 +383,8 @@ def run_comparison(target, drafters: dict, assistant, measured: dict[str, list[t
     out = prepare_out(args, meta)
     if args.no_tune:
         tuning = shipped_tuning(args)
-        meta["tuning_source"] = "each drafter's tuning.json (measured when it was shipped)" if tuning else None
+        meta["tuning_source"] = ("each drafter's tuning.json (measured where it was tuned before it shipped, not in "
+                                "this run)") if tuning else None
     else:
         tuning = tune(target, drafters, calibration, args.max_new_tokens, out, args.resume, args.temperature)
         meta["tuning_source"] = "this run (calibration prompts, then this device's costs)"
@@ -413,7 +414,7 @@ def print_comparison(results, prompts: int, per_dataset: dict, tuning: dict, roo
     print("\n" + "\n".join(headline(results, prompts, roofline)))
     print("\n" + roofline_text(roofline, verify, results))
     if tuning:
-        print("\n" + tuning_table(tuning))
+        print("\n" + tuning_table(tuning, meta.get("tuning_source")))
     for shape, projection in meta.get("projections", {}).items():
         best = projection["best"]
         verdict = "" if best["speedup"] > 1 else " (no draft shape pays here: plain decoding is faster)"
