@@ -136,15 +136,13 @@ inline Mask at_least(Vec a, Vec b) {
   return mask_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ));
 }
 
-// The four lanes' i plus i + 2, then i + 1: the last steps of `sum16`.
-inline float sum4(__m128 t6) {
+// The sum of 8 lanes: lane i plus i + 4, then i + 2, then i + 1 (the last steps of `sum16`; the AVX2 kernel's sums).
+inline float sum8(__m256 t3) {
+  const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
   const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
 }
-inline float sum16(Vec a) {
-  const __m256 t3 = _mm256_add_ps(a.lo, a.hi);
-  return sum4(_mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1)));
-}
+inline float sum16(Vec a) { return sum8(_mm256_add_ps(a.lo, a.hi)); }
 inline float max_of(Vec a) {
   const __m256 t3 = _mm256_max_ps(a.lo, a.hi);
   __m128 t = _mm_max_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));

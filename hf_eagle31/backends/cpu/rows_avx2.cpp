@@ -32,16 +32,12 @@
 
 namespace {
 
+using hf_eagle31_rows::sum8;
+
 constexpr int W = 3;           // weight rows a block
 constexpr int R = 4;           // input rows a group at most
 constexpr int64_t AHEAD = 16;  // weight rows prefetched (into L2) ahead of those multiplied
 constexpr int64_t GRAIN = 4;   // blocks a thread takes at least
-
-inline float sum8(__m256 v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-}
 
 // Elements of T `block` multiplies a step: one vector of an fp32 weight row, two of a bf16 one (`part`).
 template <class T>
